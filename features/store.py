@@ -1,0 +1,61 @@
+"""Opening the Feast store and filling it with the sample world's features."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+
+from features.errors import FeatureStoreError
+from features.sample_data import SampleWorld
+
+log = logging.getLogger(__name__)
+
+PACKAGED_REPO = Path(__file__).parent / "repo"
+
+
+def open_store(repo_path: Path):
+    """A FeatureStore over the repo folder holding `feature_store.yaml`."""
+    from feast import FeatureStore
+
+    if not (repo_path / "feature_store.yaml").is_file():
+        raise FeatureStoreError(
+            f"expected a Feast repo with feature_store.yaml in {repo_path}; "
+            "hint: run `headrace features prepare` first"
+        )
+    return FeatureStore(repo_path=str(repo_path))
+
+
+def prepare_sample_store(repo_path: Path, world: SampleWorld) -> None:
+    """Write the sample world's statistics, register the definitions, materialize online.
+
+    Blocks for a few seconds (parquet, SQLite or Redis writes). Safe to run again: it
+    overwrites the sample rows with fresh timestamps.
+    """
+    from features.repo import definitions
+
+    repo_path.mkdir(parents=True, exist_ok=True)
+    if not (repo_path / "feature_store.yaml").exists():
+        shutil.copy(PACKAGED_REPO / "feature_store.yaml", repo_path / "feature_store.yaml")
+    data = repo_path / "data"
+    data.mkdir(exist_ok=True)
+
+    now = datetime.now(UTC).replace(microsecond=0)
+    rng = np.random.default_rng(world.seed + 2)
+    for name, frame in (("user_stats", world.users()), ("merchant_stats", world.merchants())):
+        # Fresh rows: within the last hour, well inside the views' TTL.
+        frame["event_timestamp"] = now - timedelta(seconds=1) * rng.integers(0, 3600, len(frame))
+        frame.to_parquet(data / f"{name}.parquet", index=False)
+
+    store = open_store(repo_path)
+    store.apply(definitions.ALL)
+    store.materialize(start_date=now - timedelta(days=1), end_date=now + timedelta(seconds=1))
+    log.info(
+        "materialized %d users and %d merchants into %s",
+        world.n_users,
+        world.n_merchants,
+        repo_path,
+    )

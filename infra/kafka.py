@@ -1,0 +1,132 @@
+"""A local single-node Apache Kafka 4 broker in KRaft mode, run from Maven Central jars.
+
+    broker = KafkaBroker(Path(".headrace/kafka"))
+    broker.start()   # fetches jars once, formats storage once, waits for metadata
+    ...
+    broker.stop()
+
+The broker runs detached; `start()` on a running broker returns at once, and a
+broker started by another process is stopped through its pid file.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.errors import InfraError
+from infra.java import INFRA_DIR, cache_dir, find_java, maven
+from infra.process import ServiceProcess
+
+KAFKA_VERSION = "4.4.0"
+
+
+def kafka_jars() -> Path:
+    """The broker's classpath folder, copied from Maven Central on first use."""
+    lib = cache_dir() / f"kafka-{KAFKA_VERSION}"
+    if not (lib / ".complete").exists():
+        maven(
+            "-f",
+            str(INFRA_DIR / "kafka-pom.xml"),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={lib}",
+        )
+        (lib / ".complete").touch()
+    return lib
+
+
+@dataclass
+class KafkaBroker:
+    state_dir: Path
+    port: int = 9092
+    controller_port: int = 9093
+    heap_mb: int = 512
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def process(self) -> ServiceProcess:
+        return ServiceProcess("kafka", self.state_dir)
+
+    def start(self, timeout_s: float = 90.0) -> float:
+        """Start and wait until the broker answers metadata; returns the seconds it took."""
+        if self.process.pid() is not None:
+            return 0.0
+        java = find_java(17)
+        lib = kafka_jars()
+        data = self.state_dir / "data"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        properties = self.state_dir / "server.properties"
+        properties.write_text(self._properties(data))
+        shutil.copy(INFRA_DIR / "log4j2.yaml", self.state_dir / "log4j2.yaml")
+        jvm = [
+            java,
+            f"-Xmx{self.heap_mb}m",
+            f"-Xms{min(self.heap_mb, 256)}m",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.state_dir / 'log4j2.yaml'}",
+            "-cp",
+            f"{lib}/*",
+        ]
+        if not (data / "meta.properties").exists():
+            self._format(jvm, properties)
+        return self.process.launch([*jvm, "kafka.Kafka", str(properties)], self.ready, timeout_s)
+
+    def stop(self) -> bool:
+        return self.process.stop()
+
+    def ready(self) -> bool:
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        try:
+            return bool(admin.list_topics(timeout=1).brokers)
+        except Exception:
+            return False
+
+    def _format(self, jvm: list[str], properties: Path) -> None:
+        import subprocess
+
+        # A cluster id is 16 random bytes in unpadded URL-safe base64, as `random-uuid` prints.
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        done = subprocess.run(
+            [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(properties)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise InfraError(f"formatting Kafka storage failed:\n{done.stdout}{done.stderr}")
+
+    def _properties(self, data: Path) -> str:
+        return "\n".join(
+            [
+                "process.roles=broker,controller",
+                "node.id=1",
+                f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
+                f"listeners=PLAINTEXT://127.0.0.1:{self.port},"
+                f"CONTROLLER://127.0.0.1:{self.controller_port}",
+                f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+                "controller.listener.names=CONTROLLER",
+                "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                f"log.dirs={data}",
+                # Topics are created explicitly, with their partition counts.
+                "auto.create.topics.enable=false",
+                "num.partitions=1",
+                "offsets.topic.replication.factor=1",
+                "offsets.topic.num.partitions=4",
+                "transaction.state.log.replication.factor=1",
+                "transaction.state.log.min.isr=1",
+                "share.coordinator.state.topic.replication.factor=1",
+                "group.initial.rebalance.delay.ms=0",
+                "log.retention.hours=24",
+                "",
+            ]
+        )

@@ -1,0 +1,78 @@
+"""A local Apicurio Registry 3 (in-memory storage), whose Confluent-compatible API is
+served under `/apis/ccompat/v7`. The Quarkus app comes from Maven Central
+(`io.apicurio:apicurio-registry-app`, the `tar.gz` with classifier `all`) and needs Java 21+.
+"""
+
+from __future__ import annotations
+
+import tarfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.java import cache_dir, find_java, maven
+from infra.process import ServiceProcess
+
+APICURIO_VERSION = "3.3.3"
+CCOMPAT_PATH = "/apis/ccompat/v7"
+
+
+def apicurio_app() -> Path:
+    """The unpacked Quarkus app folder, fetched and unpacked on first use."""
+    app = cache_dir() / f"apicurio-registry-{APICURIO_VERSION}"
+    if not (app / ".complete").exists():
+        archive_dir = cache_dir() / "downloads"
+        maven(
+            "dependency:copy",
+            f"-Dartifact=io.apicurio:apicurio-registry-app:{APICURIO_VERSION}:tar.gz:all",
+            f"-DoutputDirectory={archive_dir}",
+        )
+        archive = archive_dir / f"apicurio-registry-app-{APICURIO_VERSION}-all.tar.gz"
+        with tarfile.open(archive) as tar:
+            tar.extractall(app, filter="data")
+        (app / ".complete").touch()
+    return app
+
+
+@dataclass
+class SchemaRegistryServer:
+    state_dir: Path
+    port: int = 8081
+    heap_mb: int = 384
+
+    @property
+    def url(self) -> str:
+        """The Confluent-compatible base URL, as serializers and `registry.url` want it."""
+        return f"http://127.0.0.1:{self.port}{CCOMPAT_PATH}"
+
+    @property
+    def process(self) -> ServiceProcess:
+        return ServiceProcess("registry", self.state_dir)
+
+    def start(self, timeout_s: float = 120.0) -> float:
+        if self.process.pid() is not None:
+            return 0.0
+        java = find_java(21)
+        app = apicurio_app()
+        command = [
+            java,
+            f"-Xmx{self.heap_mb}m",
+            "-Djava.awt.headless=true",
+            "-Dquarkus.http.host=127.0.0.1",
+            f"-Dquarkus.http.port={self.port}",
+            "-Dquarkus.management.enabled=false",
+            "-Dquarkus.log.level=WARN",
+            "-jar",
+            str(app / "quarkus-run.jar"),
+        ]
+        return self.process.launch(command, self.ready, timeout_s, cwd=app)
+
+    def stop(self) -> bool:
+        return self.process.stop()
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/subjects", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False

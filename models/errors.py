@@ -1,0 +1,7 @@
+"""Errors of the model stage."""
+
+from schemas.errors import HeadraceError
+
+
+class ModelError(HeadraceError):
+    """A model artifact is missing, malformed, or failed to run."""

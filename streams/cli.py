@@ -1,0 +1,284 @@
+"""The `headrace` command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from schemas.errors import HeadraceError
+
+DEFAULT_CONFIG = Path("headrace.yaml")
+DEFAULT_STATE = Path(".headrace")
+config_option = click.option(
+    "-c",
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_CONFIG,
+    show_default=True,
+    help="Worker configuration (YAML).",
+)
+
+
+def _config(path: Path):
+    from streams.config import load_config
+
+    return load_config(path)
+
+
+def _pipeline(config, name: str | None):
+    if name is None:
+        return config.pipelines[0]
+    for spec in config.pipelines:
+        if spec.name == name:
+            return spec
+    raise click.BadParameter(
+        f"no pipeline {name!r}; configured: {[p.name for p in config.pipelines]}",
+        param_hint="--pipeline",
+    )
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
+def cli(verbose: bool) -> None:
+    """headrace: low-latency streaming ML inference on Apache Kafka."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Feast logs every registry refresh at INFO.
+    logging.getLogger("feast").setLevel(logging.WARNING)
+
+
+@cli.group()
+def broker() -> None:
+    """The local Kafka broker (KRaft, single node)."""
+
+
+@broker.command("start")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "kafka")
+@click.option("--port", default=9092, show_default=True)
+@click.option("--controller-port", default=9093, show_default=True)
+def broker_start(state_dir: Path, port: int, controller_port: int) -> None:
+    """Start the broker in the background and wait until it answers."""
+    from infra.kafka import KafkaBroker
+
+    kafka = KafkaBroker(state_dir, port, controller_port)
+    took = kafka.start()
+    click.echo(f"Kafka ready on {kafka.bootstrap_servers} ({took:.1f} s); data in {state_dir}")
+
+
+@broker.command("stop")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "kafka")
+def broker_stop(state_dir: Path) -> None:
+    from infra.kafka import KafkaBroker
+
+    stopped = KafkaBroker(state_dir).stop()
+    click.echo("Kafka stopped" if stopped else "Kafka was not running")
+
+
+@cli.group()
+def registry() -> None:
+    """The local schema registry (Apicurio, Confluent-compatible API)."""
+
+
+@registry.command("start")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "registry")
+@click.option("--port", default=8081, show_default=True)
+def registry_start(state_dir: Path, port: int) -> None:
+    from infra.registry import SchemaRegistryServer
+
+    server = SchemaRegistryServer(state_dir, port)
+    took = server.start()
+    click.echo(f"Schema registry ready at {server.url} ({took:.1f} s)")
+
+
+@registry.command("stop")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "registry")
+def registry_stop(state_dir: Path) -> None:
+    from infra.registry import SchemaRegistryServer
+
+    stopped = SchemaRegistryServer(state_dir).stop()
+    click.echo("Schema registry stopped" if stopped else "Schema registry was not running")
+
+
+@cli.group()
+def topics() -> None:
+    """Topics of the configured pipelines."""
+
+
+@topics.command("create")
+@config_option
+@click.option("--partitions", default=3, show_default=True, help="For input and output topics.")
+def topics_create(config_path: Path, partitions: int) -> None:
+    """Create the missing input, output and dead-letter topics."""
+    from streams.worker import create_topics
+
+    created = create_topics(_config(config_path), partitions)
+    click.echo(f"created: {', '.join(created) or 'nothing (all exist)'}")
+
+
+@cli.group()
+def features() -> None:
+    """The Feast feature repo."""
+
+
+@features.command("prepare")
+@config_option
+@click.option("--users", default=10_000, show_default=True)
+@click.option("--merchants", default=1_000, show_default=True)
+def features_prepare(config_path: Path, users: int, merchants: int) -> None:
+    """Generate the sample statistics, register the views, materialize them online."""
+    from features.sample_data import SampleWorld
+    from features.store import prepare_sample_store
+
+    repo = _config(config_path).features.repo_path
+    prepare_sample_store(repo, SampleWorld(users, merchants))
+    click.echo(f"features materialized in {repo}")
+
+
+@cli.group()
+def models() -> None:
+    """Model artifacts."""
+
+
+@models.command("train")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("models/artifacts/fraud-mlp.onnx"),
+    show_default=True,
+)
+@click.option("--users", default=10_000, show_default=True)
+@click.option("--merchants", default=1_000, show_default=True)
+def models_train(out: Path, users: int, merchants: int) -> None:
+    """Train the sample fraud model on the synthetic world and export it to ONNX."""
+    from features.sample_data import SampleWorld
+    from models.train import train
+
+    report = train(out, SampleWorld(users, merchants))
+    click.echo(f"model written to {out} (held-out AUC {report['auc']:.3f})")
+
+
+@cli.command()
+@config_option
+@click.option("-l", "--log-level", default="info", type=click.Choice(["debug", "info", "warn"]))
+def worker(config_path: Path, log_level: str) -> None:
+    """Run a worker until SIGTERM or Ctrl-C."""
+    from streams.worker import run_worker
+
+    run_worker(_config(config_path), log_level)
+
+
+@cli.command()
+@config_option
+@click.option("--pipeline", "pipeline_name", help="Pipeline name (default: the first).")
+@click.option("--rate", default=100.0, show_default=True, help="Events per second.")
+@click.option("--duration", default=10.0, show_default=True, help="Seconds.")
+@click.option("--seed", default=1, show_default=True)
+def produce(
+    config_path: Path, pipeline_name: str | None, rate: float, duration: float, seed: int
+) -> None:
+    """Send synthetic transactions at a fixed rate to a pipeline's input topic."""
+    from confluent_kafka import Producer
+
+    from features.sample_data import SampleWorld
+    from schemas.catalogue import open_catalogue
+    from schemas.codec import AvroEncoder
+    from streams.loadgen import sample_events, send_at_rate
+
+    config = _config(config_path)
+    spec = _pipeline(config, pipeline_name)
+    catalogue = open_catalogue(config.registry.url if config.registry else None)
+    encoder = AvroEncoder(catalogue, "transaction.avsc", f"{spec.input_topic}-value")
+    producer = Producer({"bootstrap.servers": config.broker.bootstrap_servers, "linger.ms": 1})
+    report = send_at_rate(
+        producer,
+        spec.input_topic,
+        encoder,
+        sample_events(SampleWorld(), seed),
+        rate,
+        duration,
+        on_tick=lambda sent: click.echo(f"\rsent {sent}", nl=False, err=True),
+    )
+    click.echo(
+        f"\nsent {report.sent} events to {spec.input_topic} in {report.elapsed_s:.1f} s "
+        f"(worst schedule lag {report.max_lag_ms:.1f} ms)"
+    )
+
+
+@cli.command()
+@config_option
+@click.option("--pipeline", "pipeline_name", help="Pipeline name (default: the first).")
+@click.option("--max", "max_records", default=0, help="Stop after this many (0: never).")
+@click.option("--from-beginning", is_flag=True)
+def consume(
+    config_path: Path, pipeline_name: str | None, max_records: int, from_beginning: bool
+) -> None:
+    """Print a pipeline's predictions as JSON lines."""
+    import uuid
+
+    from confluent_kafka import Consumer
+
+    from schemas.catalogue import open_catalogue
+    from schemas.codec import AvroDecoder
+
+    config = _config(config_path)
+    spec = _pipeline(config, pipeline_name)
+    decoder = AvroDecoder(
+        open_catalogue(config.registry.url if config.registry else None), "prediction.avsc"
+    )
+    consumer = Consumer(
+        {
+            "bootstrap.servers": config.broker.bootstrap_servers,
+            "group.id": f"headrace-consume-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest" if from_beginning else "latest",
+            "enable.auto.commit": False,
+        }
+    )
+    consumer.subscribe([spec.output_topic])
+    seen = 0
+    try:
+        while not max_records or seen < max_records:
+            message = consumer.poll(1.0)
+            if message is None or message.error():
+                continue
+            click.echo(json.dumps(decoder.decode(message.value())))
+            seen += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        consumer.close()
+
+
+@cli.command()
+@click.option("--rate", default=500.0, show_default=True, help="Events per second.")
+@click.option("--duration", default=20.0, show_default=True, help="Seconds of measured load.")
+@click.option("--partitions", default=3, show_default=True)
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "demo")
+def demo(rate: float, duration: float, partitions: int, state_dir: Path) -> None:
+    """End to end on the embedded defaults: broker, features, model, worker, load, summary."""
+    from streams.demo import run_demo
+
+    run_demo(state_dir, rate, duration, partitions)
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except HeadraceError as exc:
+        click.echo(f"headrace: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

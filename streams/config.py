@@ -1,0 +1,117 @@
+"""The worker's configuration: one YAML file, validated into frozen pydantic models.
+
+Relative paths in the file are resolved against the file's own folder, so a config
+works from any current directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from streams.errors import ConfigError
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _resolve(path: Path, info: ValidationInfo) -> Path:
+    base = (info.context or {}).get("base_dir")
+    return path if path.is_absolute() or base is None else (base / path).resolve()
+
+
+class BrokerConfig(_Frozen):
+    bootstrap_servers: str = Field("127.0.0.1:9092", min_length=1)
+    """Comma-separated host:port list of the Kafka brokers."""
+
+
+class RegistryConfig(_Frozen):
+    url: str = Field(pattern=r"^https?://")
+    """Base URL of a Confluent-compatible API (Apicurio: `.../apis/ccompat/v7`)."""
+
+
+class FeaturesConfig(_Frozen):
+    repo_path: Path = Path("features/repo")
+    """Folder of the Feast repo (`feature_store.yaml`)."""
+
+    _resolve_repo = field_validator("repo_path")(_resolve)
+
+
+class ModelConfig(_Frozen):
+    path: Path
+    """The `.onnx` artifact, with headrace metadata (see `headrace models train`)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """`cuda` falls back to CPU, with a warning, where CUDA is unusable."""
+    intra_op_threads: int = Field(1, ge=1, le=64)
+    """ONNX Runtime threads per session; 1 suits a 2-core machine."""
+
+    _resolve_path = field_validator("path")(_resolve)
+
+
+class PipelineConfig(_Frozen):
+    name: str = Field(pattern=_NAME)
+    input_topic: str = Field(pattern=_NAME)
+    output_topic: str = Field(pattern=_NAME)
+    dead_letter_topic: str = Field(pattern=_NAME)
+    feature_service: str = Field(min_length=1)
+    entity_fields: dict[str, str] = Field(min_length=1)
+    """Feast join key -> the event field that carries it."""
+    model: ModelConfig
+    max_batch_size: int = Field(64, ge=1, le=4096)
+    """Most events in one micro-batch (one Feast read, one ONNX run)."""
+    max_wait_ms: float = Field(5.0, ge=0, le=10_000)
+    """Longest the first event of a batch waits for the batch to fill."""
+
+
+class MetricsConfig(_Frozen):
+    port: int = Field(9108, ge=0, le=65_535)
+    """Port of the Prometheus `/metrics` endpoint on all interfaces; 0 turns it off."""
+
+
+class HeadraceConfig(_Frozen):
+    app_id: str = Field("headrace", pattern=_NAME)
+    """Faust app id; also the Kafka consumer group of the workers."""
+    broker: BrokerConfig = BrokerConfig()
+    registry: RegistryConfig | None = None
+    """Without a registry, schema ids resolve from the local catalogue in `schemas/`."""
+    features: FeaturesConfig = FeaturesConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    pipelines: list[PipelineConfig] = Field(min_length=1)
+
+    @field_validator("pipelines")
+    @classmethod
+    def _distinct(cls, pipelines: list[PipelineConfig]) -> list[PipelineConfig]:
+        for attr in ("name", "input_topic"):
+            seen = [getattr(p, attr) for p in pipelines]
+            duplicates = sorted({v for v in seen if seen.count(v) > 1})
+            if duplicates:
+                raise ValueError(f"each pipeline needs its own {attr}; repeated: {duplicates}")
+        return pipelines
+
+
+def parse_config(data: object, source: str, base_dir: Path | None = None) -> HeadraceConfig:
+    """Validate already-loaded data; errors name `source` and each failing field."""
+    try:
+        return HeadraceConfig.model_validate(data, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc']) or '(top level)'}: {error['msg']}"
+            for error in exc.errors()
+        )
+        raise ConfigError(f"{source}: {problems}") from exc
+
+
+def load_config(path: Path) -> HeadraceConfig:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_config(data, str(path), path.resolve().parent)

@@ -1,0 +1,223 @@
+"""`headrace demo`: the whole data path on the embedded defaults, with a latency summary.
+
+Starts a private broker on free ports, prepares the SQLite Feast store and the sample
+model under the state folder, runs a worker process, sends synthetic events (and a
+few malformed ones) at a fixed rate, reads every outcome back and stops everything.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import yaml
+from confluent_kafka import Producer
+
+from features.sample_data import SampleWorld
+from features.store import prepare_sample_store
+from infra.kafka import KafkaBroker
+from infra.ports import free_port
+from schemas.catalogue import LocalCatalogue
+from schemas.codec import AvroDecoder, AvroEncoder
+from streams.collector import OutcomeCollector
+from streams.config import HeadraceConfig, parse_config
+from streams.loadgen import malformed_records, sample_events, send_at_rate
+from streams.worker import create_topics
+
+WARMUP_EVENTS = 200
+
+
+def sample_config(
+    bootstrap_servers: str,
+    repo_path: Path,
+    model_path: Path,
+    *,
+    suffix: str = "",
+    registry_url: str | None = None,
+    metrics_port: int = 0,
+    max_batch_size: int = 64,
+    max_wait_ms: float = 5.0,
+) -> dict[str, Any]:
+    """The sample fraud pipeline's config as a plain dict (what a YAML file would hold)."""
+    config: dict[str, Any] = {
+        "app_id": f"headrace{suffix}",
+        "broker": {"bootstrap_servers": bootstrap_servers},
+        "features": {"repo_path": str(repo_path)},
+        "metrics": {"port": metrics_port},
+        "pipelines": [
+            {
+                "name": "fraud",
+                "input_topic": f"transactions{suffix}",
+                "output_topic": f"fraud-scores{suffix}",
+                "dead_letter_topic": f"transactions-dlq{suffix}",
+                "feature_service": "fraud_scoring",
+                "entity_fields": {"user_id": "user_id", "merchant_id": "merchant_id"},
+                "model": {"path": str(model_path)},
+                "max_batch_size": max_batch_size,
+                "max_wait_ms": max_wait_ms,
+            }
+        ],
+    }
+    if registry_url:
+        config["registry"] = {"url": registry_url}
+    return config
+
+
+def prepare_sample_assets(state_dir: Path, world: SampleWorld) -> tuple[Path, Path]:
+    """Feast repo with materialized features and the trained model under `state_dir`."""
+    from models.train import train
+
+    repo = state_dir / "features"
+    prepare_sample_store(repo, world)
+    model = state_dir / "models" / "fraud-mlp.onnx"
+    if not model.exists():
+        train(model, world)
+    return repo, model
+
+
+def start_worker(config_file: Path, log_file: Path) -> subprocess.Popen:
+    with open(log_file, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "streams.cli", "worker", "-c", str(config_file), "-l", "warn"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def stop_worker(worker: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """SIGTERM (a clean stop that commits), SIGKILL if it does not end in time."""
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    return worker.returncode
+
+
+def write_config(config: dict[str, Any], path: Path) -> HeadraceConfig:
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return parse_config(config, str(path), path.parent)
+
+
+def run_demo(state_dir: Path, rate: float, duration_s: float, partitions: int) -> None:
+    state_dir = state_dir.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    step = _Steps()
+    broker = KafkaBroker(state_dir / "kafka", free_port(), free_port())
+    worker = None
+    collector = None
+    try:
+        step("starting Kafka")
+        took = broker.start()
+        step.done(f"on {broker.bootstrap_servers} in {took:.1f} s")
+
+        step("preparing Feast features (SQLite) and the sample model")
+        world = SampleWorld()
+        repo, model = prepare_sample_assets(state_dir, world)
+        step.done(f"{world.n_users} users, {world.n_merchants} merchants")
+
+        config_file = state_dir / "headrace.yaml"
+        config = write_config(
+            sample_config(broker.bootstrap_servers, repo, model, metrics_port=free_port()),
+            config_file,
+        )
+        spec = config.pipelines[0]
+        create_topics(config, partitions)
+
+        step("starting the worker")
+        worker = start_worker(config_file, state_dir / "worker.log")
+        catalogue = LocalCatalogue()
+        encoder = AvroEncoder(catalogue, "transaction.avsc", f"{spec.input_topic}-value")
+        collector = OutcomeCollector(
+            broker.bootstrap_servers,
+            spec.output_topic,
+            spec.dead_letter_topic,
+            AvroDecoder(catalogue, "prediction.avsc"),
+        ).start()
+        producer = Producer({"bootstrap.servers": broker.bootstrap_servers, "linger.ms": 1})
+        events = sample_events(world, seed=int(time.time()))
+        send_at_rate(producer, spec.input_topic, encoder, events, 100, WARMUP_EVENTS / 100)
+        if len(collector.wait_for(WARMUP_EVENTS, 120)) < WARMUP_EVENTS:
+            raise click.ClickException(
+                f"the worker answered no warm-up events; see {state_dir / 'worker.log'}"
+            )
+        step.done(f"serving (metrics on :{config.metrics.port}/metrics)")
+
+        click.echo(f"sending {rate:.0f} events/s for {duration_s:.0f} s, plus 5 malformed ones")
+        for value in malformed_records(encoder, next(events)).values():
+            producer.produce(spec.input_topic, value, b"malformed")
+        started = time.time()
+        report = send_at_rate(
+            producer,
+            spec.input_topic,
+            encoder,
+            events,
+            rate,
+            duration_s,
+            on_tick=lambda sent: _progress(sent, collector, WARMUP_EVENTS),
+        )
+        expected = WARMUP_EVENTS + report.sent + 5
+        outcomes = collector.wait_for(expected, 60)
+        finished = time.time()
+        click.echo("")
+        _summary(outcomes.predictions[WARMUP_EVENTS:], outcomes, expected, finished - started)
+        if report.max_lag_ms > 50:
+            click.echo(f"(the load generator fell up to {report.max_lag_ms:.0f} ms behind)")
+    finally:
+        if collector is not None:
+            collector.stop()
+        if worker is not None:
+            step("stopping the worker and Kafka")
+            code = stop_worker(worker)
+        broker.stop()
+        if worker is not None:
+            step.done(f"worker exit status {code}")
+
+
+def _progress(sent: int, collector: OutcomeCollector, skip: int) -> None:
+    answered = len(collector.snapshot()) - skip
+    click.echo(f"\r  sent {sent:>7}  answered {answered:>7}", nl=False)
+
+
+def _summary(predictions: list[dict], outcomes, expected: int, elapsed_s: float) -> None:
+    latencies = np.array([p["latency_ms"] for p in predictions])
+    missing = sum(1 for p in predictions if p["missing_features"])
+    reasons: dict[str, int] = {}
+    for letter in outcomes.dead_letters:
+        reason = letter.headers.get("headrace.error.reason", "?")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    click.echo("outcomes:")
+    click.echo(
+        f"  predictions (OK)   {len(outcomes.predictions):>7}  "
+        f"({missing} scored with default features for a missing entity)"
+    )
+    click.echo(f"  dead letters       {len(outcomes.dead_letters):>7}  {reasons}")
+    click.echo(f"  unanswered         {max(0, expected - len(outcomes)):>7}")
+    if len(latencies):
+        p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
+        click.echo(
+            f"throughput {len(latencies) / elapsed_s:,.0f} predictions/s; end-to-end latency "
+            f"(Kafka timestamp to prediction read): p50 {p50:.1f} ms, p95 {p95:.1f} ms, "
+            f"p99 {p99:.1f} ms, max {latencies.max():.1f} ms"
+        )
+
+
+class _Steps:
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        self._started = time.monotonic()
+        click.echo(f"- {what} ...", nl=False)
+
+    def done(self, detail: str) -> None:
+        click.echo(f" ok, {detail} [{time.monotonic() - self._started:.1f} s]")

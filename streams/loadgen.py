@@ -1,0 +1,103 @@
+"""Synthetic transactions for the sample pipeline, sent open-loop at a fixed rate.
+
+Each event's Kafka timestamp is its *intended* send time on the schedule, not the
+moment it was actually sent, so a producer that falls behind shows up as latency
+instead of hiding it (no coordinated omission).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from confluent_kafka import Producer
+
+from features.sample_data import SampleWorld
+from schemas.codec import AvroEncoder
+
+_CHUNK = 1_000
+
+
+def sample_events(world: SampleWorld, seed: int, prefix: str | None = None) -> Iterator[dict]:
+    """An endless stream of valid transactions with unique ids (`prefix-N`)."""
+    rng = np.random.default_rng(seed)
+    prefix = prefix or uuid.uuid4().hex[:8]
+    count = 0
+    while True:
+        frame = world.events(_CHUNK, rng)
+        for row in frame.to_dict("records"):
+            row["event_id"] = f"{prefix}-{count}"
+            row["hour_of_day"] = int(row["hour_of_day"])
+            row["is_online"] = bool(row["is_online"])
+            row["event_time_ms"] = int(time.time() * 1000)
+            count += 1
+            yield row
+
+
+def malformed_records(encoder: AvroEncoder, valid: dict) -> dict[str, bytes]:
+    """One record per way an input can be unreadable, by the reason code it must get."""
+    good = encoder.encode(valid)
+    return {
+        "random_bytes": b"\x9f\x13garbage\xff\x00\x01",
+        "bad_magic": b"\x01" + good[1:],
+        "unknown_schema": b"\x00" + struct.pack(">I", 987_654) + good[5:],
+        "truncated": good[: len(good) - 6],
+        "invalid_field": encoder.encode({**valid, "amount": -5.0}),
+    }
+
+
+@dataclass
+class SendReport:
+    sent: int
+    elapsed_s: float
+    max_lag_ms: float
+    """Worst delay of an actual send behind its schedule."""
+
+
+def send_at_rate(
+    producer: Producer,
+    topic: str,
+    encoder: AvroEncoder,
+    events: Iterator[dict],
+    rate_per_s: float,
+    duration_s: float,
+    on_tick: Callable[[int], None] | None = None,
+) -> SendReport:
+    """Send `rate_per_s * duration_s` events on a fixed schedule, keyed by user id.
+
+    Blocks for about `duration_s`; flushes before returning. `on_tick(sent)` is
+    called about once a second (progress display).
+    """
+    total = int(rate_per_s * duration_s)
+    start = time.time()
+    next_tick = start + 1.0
+    max_lag_s = 0.0
+    for index in range(total):
+        intended = start + index / rate_per_s
+        wait = intended - time.time()
+        if wait > 0:
+            time.sleep(wait)
+        else:
+            max_lag_s = max(max_lag_s, -wait)
+        event = next(events)
+        event["event_time_ms"] = int(intended * 1000)
+        _produce(producer, topic, event["user_id"].encode(), encoder.encode(event), intended)
+        if on_tick is not None and time.time() >= next_tick:
+            on_tick(index + 1)
+            next_tick += 1.0
+    producer.flush(30)
+    return SendReport(total, time.time() - start, max_lag_s * 1000)
+
+
+def _produce(producer: Producer, topic: str, key: bytes, value: bytes, at_s: float) -> None:
+    while True:
+        try:
+            producer.produce(topic, value, key, timestamp=int(at_s * 1000))
+            producer.poll(0)
+            return
+        except BufferError:
+            producer.poll(0.01)

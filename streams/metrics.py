@@ -1,0 +1,56 @@
+"""Prometheus metrics of the worker, served on `/metrics`.
+
+Labels are bounded: pipeline names come from the config, outcomes, stages and
+reasons from fixed sets in the code.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram, start_http_server
+
+# Stage latencies reach from microseconds (decode) to seconds (a slow store).
+_SECONDS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+EVENTS = Counter(
+    "headrace_events",
+    "Input events by outcome: prediction (status OK) or dead_letter.",
+    ["pipeline", "outcome"],
+)
+DEAD_LETTERS = Counter(
+    "headrace_dead_letters", "Dead-lettered events by reason code.", ["pipeline", "reason"]
+)
+MISSING_FEATURES = Counter(
+    "headrace_missing_feature_rows",
+    "Events scored with model defaults because a view had no row for their entity.",
+    ["pipeline", "view"],
+)
+STAGE_SECONDS = Histogram(
+    "headrace_stage_seconds",
+    "Wall time of a stage for one batch (decode and encode: the whole batch).",
+    ["pipeline", "stage"],
+    buckets=_SECONDS,
+)
+END_TO_END_SECONDS = Histogram(
+    "headrace_end_to_end_seconds",
+    "From the input record's Kafka timestamp to its outcome being acknowledged by Kafka.",
+    ["pipeline"],
+    buckets=_SECONDS,
+)
+BATCH_SIZE = Histogram(
+    "headrace_batch_size",
+    "Events per micro-batch.",
+    ["pipeline"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+)
+RETRIES = Counter(
+    "headrace_batch_retries", "Batches retried after a store, model or Kafka error.", ["pipeline"]
+)
+
+
+def serve_metrics(port: int) -> None:
+    """Serve `/metrics` from a daemon thread; port 0 means no endpoint."""
+    if port:
+        start_http_server(port)

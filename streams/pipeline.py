@@ -1,0 +1,210 @@
+"""One micro-batch through the data path: decode, validate, features, infer, encode, publish.
+
+`Pipeline.process` is the whole per-batch contract, independent of Faust: it returns
+once every input of the batch has exactly one outcome durably written to Kafka (a
+prediction on the output topic or a dead-letter record), and raises if it could not
+write them all, so the caller must not acknowledge the batch then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from features.lookup import FeatureLookup, FeatureRows
+from models.errors import ModelError
+from models.session import ModelMetadata, ModelSession
+from schemas.codec import AvroDecoder, AvroEncoder
+from schemas.errors import DecodeError
+from schemas.validation import validate_transaction
+from streams import metrics
+from streams.config import PipelineConfig
+from streams.publisher import OutRecord, Publisher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InputRecord:
+    """A consumed Kafka record, as the pipeline needs it."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    predictions: int
+    dead_letters: int
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        decoder: AvroDecoder,
+        encoder: AvroEncoder,
+        lookup: FeatureLookup,
+        model: ModelSession,
+        publisher: Publisher,
+        event_fields: Sequence[str],
+    ) -> None:
+        self.config = config
+        self._decoder = decoder
+        self._encoder = encoder
+        self._lookup = lookup
+        self._model = model
+        self._publisher = publisher
+        self._columns = _column_sources(model.metadata, lookup.feature_refs, event_fields)
+        self._defaults = np.asarray(model.metadata.feature_defaults, dtype=np.float32)
+
+    async def process(self, records: Sequence[InputRecord]) -> BatchOutcome:
+        name = self.config.name
+        started = time.perf_counter()
+        events: list[dict[str, Any]] = []
+        scored: list[InputRecord] = []
+        outcomes: list[OutRecord | None] = [None] * len(records)
+        for index, record in enumerate(records):
+            try:
+                event = self._decoder.decode(record.value)
+                validate_transaction(event)
+            except DecodeError as exc:
+                outcomes[index] = self._dead_letter(record, exc)
+                continue
+            events.append(event)
+            scored.append(record)
+        decoded = time.perf_counter()
+
+        if events:
+            rows = await self._lookup.fetch(events)
+            fetched = time.perf_counter()
+            scores = await self._model.predict_async(self._assemble(events, rows))
+            inferred = time.perf_counter()
+            timings = {
+                "batch_size": len(records),
+                "decode_us": _us(started, decoded),
+                "features_us": _us(decoded, fetched),
+                "inference_us": _us(fetched, inferred),
+            }
+            predictions = iter(self._encode(scored, events, rows, scores, timings))
+            outcomes = [o if o is not None else next(predictions) for o in outcomes]
+            encoded = time.perf_counter()
+            metrics.STAGE_SECONDS.labels(name, "features").observe(fetched - decoded)
+            metrics.STAGE_SECONDS.labels(name, "inference").observe(inferred - fetched)
+            metrics.STAGE_SECONDS.labels(name, "encode").observe(encoded - inferred)
+        else:
+            encoded = time.perf_counter()
+
+        await self._publisher.publish(outcomes)
+        published = time.perf_counter()
+
+        metrics.STAGE_SECONDS.labels(name, "decode").observe(decoded - started)
+        metrics.STAGE_SECONDS.labels(name, "publish").observe(published - encoded)
+        metrics.BATCH_SIZE.labels(name).observe(len(records))
+        now_ms = time.time() * 1000
+        for record in records:
+            metrics.END_TO_END_SECONDS.labels(name).observe(
+                max(0.0, now_ms - record.timestamp_ms) / 1000
+            )
+        dead = len(records) - len(events)
+        metrics.EVENTS.labels(name, "prediction").inc(len(events))
+        metrics.EVENTS.labels(name, "dead_letter").inc(dead)
+        return BatchOutcome(predictions=len(events), dead_letters=dead)
+
+    def _assemble(self, events: list[dict[str, Any]], rows: FeatureRows) -> np.ndarray:
+        """The float32 model input; NaN (missing store values) becomes the model's default."""
+        matrix = np.empty((len(events), len(self._columns)), dtype=np.float32)
+        for column, (source, name) in enumerate(self._columns):
+            if source == "store":
+                matrix[:, column] = rows.columns[name]
+            else:
+                matrix[:, column] = [event[name] for event in events]
+        missing = np.isnan(matrix)
+        if missing.any():
+            matrix[missing] = np.broadcast_to(self._defaults, matrix.shape)[missing]
+        return matrix
+
+    def _encode(
+        self,
+        records: list[InputRecord],
+        events: list[dict[str, Any]],
+        rows: FeatureRows,
+        scores: np.ndarray,
+        timings: dict[str, int],
+    ) -> list[OutRecord]:
+        meta = self._model.metadata
+        out = []
+        for record, event, missing, score in zip(
+            records, events, rows.missing_views, scores.tolist(), strict=True
+        ):
+            for view in missing:
+                metrics.MISSING_FEATURES.labels(self.config.name, view).inc()
+            value = self._encoder.encode(
+                {
+                    "event_id": event["event_id"],
+                    "input_topic": record.topic,
+                    "input_partition": record.partition,
+                    "input_offset": record.offset,
+                    "event_timestamp_ms": record.timestamp_ms,
+                    "model_name": meta.name,
+                    "model_version": meta.version,
+                    "score": score,
+                    "label": score >= meta.threshold,
+                    "status": "OK",
+                    "reason": None,
+                    "missing_features": list(missing),
+                    "timings": timings,
+                }
+            )
+            out.append(OutRecord(self.config.output_topic, record.key, value))
+        return out
+
+    def _dead_letter(self, record: InputRecord, error: DecodeError) -> OutRecord:
+        log.warning(
+            "dead-lettering %s[%d]@%d: %s",
+            record.topic,
+            record.partition,
+            record.offset,
+            error,
+        )
+        metrics.DEAD_LETTERS.labels(self.config.name, error.reason).inc()
+        headers = [
+            ("headrace.error.reason", error.reason.encode()),
+            ("headrace.error.message", str(error).encode()),
+            ("headrace.pipeline", self.config.name.encode()),
+            ("headrace.input.topic", record.topic.encode()),
+            ("headrace.input.partition", str(record.partition).encode()),
+            ("headrace.input.offset", str(record.offset).encode()),
+        ]
+        return OutRecord(self.config.dead_letter_topic, record.key, record.value, headers)
+
+
+def _column_sources(
+    meta: ModelMetadata, feature_refs: Sequence[str], event_fields: Sequence[str]
+) -> list[tuple[str, str]]:
+    """Where each model input comes from: the feature store or the event itself."""
+    sources = []
+    for name in meta.feature_names:
+        if name in feature_refs:
+            sources.append(("store", name))
+        elif name in event_fields:
+            sources.append(("event", name))
+        else:
+            raise ModelError(
+                f"model {meta.name} needs input {name!r}, which is neither a field of the "
+                f"event nor a feature of the pipeline's feature service ({list(feature_refs)})"
+            )
+    return sources
+
+
+def _us(start: float, end: float) -> int:
+    return int((end - start) * 1_000_000)
