@@ -7,11 +7,18 @@ folder) registers it. Sources are parquet files under `data/`, relative to this 
 
 from datetime import timedelta
 
-from feast import Entity, FeatureService, FeatureView, Field, FileSource
+from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
 from feast.types import Float32, Int64
 
-user = Entity(name="user", join_keys=["user_id"], description="A card holder.")
-merchant = Entity(name="merchant", join_keys=["merchant_id"], description="A merchant.")
+user = Entity(
+    name="user", join_keys=["user_id"], value_type=ValueType.STRING, description="A card holder."
+)
+merchant = Entity(
+    name="merchant",
+    join_keys=["merchant_id"],
+    value_type=ValueType.STRING,
+    description="A merchant.",
+)
 
 user_stats = FeatureView(
     name="user_stats",

@@ -1,0 +1,108 @@
+"""Real services for the integration tests: one Kafka broker, one schema registry, and
+the sample Feast store and model, each started once per session on free loopback ports.
+Each test gets its own topics (a unique suffix) and removes them afterwards.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from features.sample_data import SampleWorld
+from infra.kafka import KafkaBroker
+from infra.ports import free_port
+from infra.registry import SchemaRegistryServer
+from infra.topics import delete_topics
+from streams.config import HeadraceConfig
+from streams.demo import (
+    prepare_sample_assets,
+    sample_config,
+    start_worker,
+    stop_worker,
+    write_config,
+)
+from streams.worker import create_topics
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory) -> Iterator[KafkaBroker]:
+    broker = KafkaBroker(tmp_path_factory.mktemp("kafka"), free_port(), free_port())
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory) -> Iterator[SchemaRegistryServer]:
+    server = SchemaRegistryServer(tmp_path_factory.mktemp("registry"), free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@dataclass(frozen=True)
+class SampleAssets:
+    world: SampleWorld
+    repo: Path
+    model: Path
+
+
+@pytest.fixture(scope="session")
+def sample_assets(tmp_path_factory) -> SampleAssets:
+    world = SampleWorld()
+    repo, model = prepare_sample_assets(tmp_path_factory.mktemp("assets"), world)
+    return SampleAssets(world, repo, model)
+
+
+@dataclass
+class Deployment:
+    """A pipeline config with its own topics, and a way to run workers on it."""
+
+    config: HeadraceConfig
+    config_file: Path
+    log_file: Path
+
+    @property
+    def spec(self):
+        return self.config.pipelines[0]
+
+    @contextmanager
+    def worker(self) -> Iterator:
+        process = start_worker(self.config_file, self.log_file)
+        try:
+            yield process
+        finally:
+            code = stop_worker(process)
+            assert code == 0, f"worker exited with {code}; log:\n{self.log_tail()}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture
+def deploy(kafka, sample_assets, tmp_path):
+    """Factory: `deploy(**sample_config overrides)` creates topics and writes the config."""
+    created: list[str] = []
+
+    def make(partitions: int = 3, **overrides) -> Deployment:
+        suffix = f"-{uuid.uuid4().hex[:8]}"
+        raw = sample_config(
+            kafka.bootstrap_servers,
+            sample_assets.repo,
+            sample_assets.model,
+            suffix=suffix,
+            **overrides,
+        )
+        config_file = tmp_path / f"headrace{suffix}.yaml"
+        config = write_config(raw, config_file)
+        created.extend(create_topics(config, partitions))
+        return Deployment(config, config_file, tmp_path / f"worker{suffix}.log")
+
+    yield make
+    if created:
+        delete_topics(kafka.bootstrap_servers, created)

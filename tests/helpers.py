@@ -1,0 +1,60 @@
+"""Small helpers shared by integration tests: producing events, reading offsets."""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from features.sample_data import SampleWorld
+from schemas.catalogue import LocalCatalogue
+from schemas.codec import AvroEncoder
+from streams.loadgen import sample_events
+
+
+def produce_events(
+    bootstrap: str, topic: str, world: SampleWorld, count: int, seed: int, prefix: str
+) -> dict[str, dict]:
+    """Produce `count` valid events keyed by user id; return them by event id."""
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{topic}-value")
+    producer = Producer({"bootstrap.servers": bootstrap})
+    sent = {}
+    events = sample_events(world, seed, prefix)
+    for _ in range(count):
+        event = next(events)
+        producer.produce(topic, encoder.encode(event), event["user_id"].encode())
+        sent[event["event_id"]] = event
+    assert producer.flush(30) == 0
+    return sent
+
+
+def produce_raw(bootstrap: str, topic: str, values: list[bytes], key: bytes = b"k") -> None:
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for value in values:
+        producer.produce(topic, value, key)
+    assert producer.flush(30) == 0
+
+
+def wait_until(condition, timeout_s: float, interval_s: float = 0.2) -> bool:
+    """Poll `condition()` until true or the deadline passes; return its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def committed_lag(bootstrap: str, group: str, topic: str, partitions: int) -> int:
+    """Records of `topic` not yet committed by consumer group `group`."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        committed = consumer.committed(tps, timeout=10)
+        lag = 0
+        for tp in committed:
+            _low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            lag += high - max(tp.offset, 0)
+        return lag
+    finally:
+        consumer.close()

@@ -1,0 +1,210 @@
+"""The whole data path through a real broker, a real Feast store and the sample model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from features.lookup import FeatureLookup
+from features.store import open_store
+from models.session import ModelSession
+from schemas.catalogue import LocalCatalogue
+from schemas.codec import AvroDecoder, AvroEncoder
+from streams.collector import OutcomeCollector
+from streams.loadgen import malformed_records
+from tests.helpers import committed_lag, produce_events, produce_raw, wait_until
+
+pytestmark = pytest.mark.integration
+
+N_VALID = 400
+
+
+def collector_for(deployment) -> OutcomeCollector:
+    spec = deployment.spec
+    return OutcomeCollector(
+        deployment.config.broker.bootstrap_servers,
+        spec.output_topic,
+        spec.dead_letter_topic,
+        AvroDecoder(LocalCatalogue(), "prediction.avsc"),
+    ).start()
+
+
+@pytest.fixture(scope="module")
+def served(kafka, sample_assets, tmp_path_factory):
+    """One worker run over N valid events and one event per way of being malformed."""
+    # `deploy` is function-scoped; build the module's deployment by hand with the same parts.
+    from infra.topics import delete_topics
+    from streams.demo import sample_config, write_config
+    from streams.worker import create_topics
+    from tests.conftest import Deployment
+
+    tmp = tmp_path_factory.mktemp("served")
+    config = write_config(
+        sample_config(
+            kafka.bootstrap_servers, sample_assets.repo, sample_assets.model, suffix="-served"
+        ),
+        tmp / "headrace.yaml",
+    )
+    created = create_topics(config, 3)
+    deployment = Deployment(config, tmp / "headrace.yaml", tmp / "worker.log")
+    spec = deployment.spec
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")
+    sent = produce_events(
+        kafka.bootstrap_servers,
+        spec.input_topic,
+        sample_assets.world,
+        N_VALID,
+        seed=3,
+        prefix="valid",
+    )
+    malformed = malformed_records(encoder, next(iter(sent.values())))
+    produce_raw(kafka.bootstrap_servers, spec.input_topic, list(malformed.values()))
+    collector = collector_for(deployment)
+    with deployment.worker() as worker:
+        outcomes = collector.wait_for(N_VALID + len(malformed), 120)
+        # One more event after the malformed ones: the worker is still serving.
+        later = produce_events(
+            kafka.bootstrap_servers,
+            spec.input_topic,
+            sample_assets.world,
+            1,
+            seed=4,
+            prefix="later",
+        )
+        after = collector.wait_for(N_VALID + len(malformed) + 1, 60)
+        still_running = worker.poll() is None
+    collector.stop()
+    yield {
+        "sent": sent,
+        "malformed": malformed,
+        "outcomes": outcomes,
+        "after": after,
+        "later": later,
+        "still_running": still_running,
+        "deployment": deployment,
+    }
+    delete_topics(kafka.bootstrap_servers, created)
+
+
+def test_every_valid_event_gets_exactly_one_prediction(served):
+    predictions = served["outcomes"].predictions
+    ids = [p["event_id"] for p in predictions]
+    assert sorted(ids) == sorted(served["sent"]), served["deployment"].log_tail()
+    assert all(p["status"] == "OK" for p in predictions)
+    # Keyed like the input, and naming the input record it answers.
+    for prediction in predictions:
+        event = served["sent"][prediction["event_id"]]
+        assert prediction["key"] == event["user_id"].encode()
+        assert prediction["input_topic"] == served["deployment"].spec.input_topic
+    offsets = {(p["input_partition"], p["input_offset"]) for p in predictions}
+    assert len(offsets) == len(predictions)
+
+
+def test_each_malformed_event_is_dead_lettered_with_its_reason(served):
+    letters = served["outcomes"].dead_letters
+    assert len(letters) == len(served["malformed"])
+    by_value = {letter.value: letter for letter in letters}
+    expected_reason = {
+        "random_bytes": "bad_magic",
+        "bad_magic": "bad_magic",
+        "unknown_schema": "unknown_schema",
+        "truncated": "truncated",
+        "invalid_field": "invalid_field",
+    }
+    for kind, raw in served["malformed"].items():
+        letter = by_value[raw]  # the original bytes, untouched
+        assert letter.headers["headrace.error.reason"] == expected_reason[kind]
+        assert letter.headers["headrace.error.message"]
+        assert letter.headers["headrace.input.topic"] == served["deployment"].spec.input_topic
+        assert int(letter.headers["headrace.input.offset"]) >= 0
+
+
+def test_worker_keeps_serving_after_bad_input(served):
+    assert served["still_running"]
+    later_id = next(iter(served["later"]))
+    assert later_id in {p["event_id"] for p in served["after"].predictions}
+
+
+def test_scores_equal_the_model_run_offline_on_the_same_features(served, sample_assets):
+    """Recompute every score from the event fields and a direct Feast read."""
+    store = open_store(sample_assets.repo)
+    spec = served["deployment"].spec
+    lookup = FeatureLookup(store, spec.feature_service, spec.entity_fields)
+    model = ModelSession(sample_assets.model)
+    try:
+        predictions = served["outcomes"].predictions
+        events = [served["sent"][p["event_id"]] for p in predictions]
+        response = store.get_online_features(
+            features=store.get_feature_service(spec.feature_service),
+            entity_rows=[
+                {"user_id": e["user_id"], "merchant_id": e["merchant_id"]} for e in events
+            ],
+            full_feature_names=True,
+        ).to_dict()
+        meta = model.metadata
+        matrix = np.array(
+            [
+                [
+                    (event[name] if name in event else response[name][row])
+                    if (name in event or response[name][row] is not None)
+                    else default
+                    for name, default in zip(meta.feature_names, meta.feature_defaults, strict=True)
+                ]
+                for row, event in enumerate(events)
+            ],
+            dtype=np.float32,
+        )
+        offline = model.predict(matrix)
+        served_scores = np.array([p["score"] for p in predictions], dtype=np.float32)
+        np.testing.assert_allclose(served_scores, offline, rtol=1e-5, atol=1e-6)
+        # Entities absent from Feast are flagged, not guessed silently.
+        flagged = [p for p in predictions if p["missing_features"]]
+        assert flagged, "the sample stream always holds a few unknown users or merchants"
+        for prediction, event in zip(predictions, events, strict=True):
+            if prediction["missing_features"]:
+                assert event["user_id"] >= sample_assets.world.users()["user_id"].max() or (
+                    event["merchant_id"] >= sample_assets.world.merchants()["merchant_id"].max()
+                )
+    finally:
+        lookup.close()
+        model.close()
+
+
+def test_restart_resumes_from_committed_offsets_without_repeats(deploy, kafka, sample_assets):
+    deployment = deploy()
+    spec = deployment.spec
+    first = produce_events(
+        kafka.bootstrap_servers, spec.input_topic, sample_assets.world, 200, seed=5, prefix="first"
+    )
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker():
+            assert len(collector.wait_for(200, 120)) == 200, deployment.log_tail()
+        # A clean stop commits everything it answered.
+        assert (
+            committed_lag(kafka.bootstrap_servers, deployment.config.app_id, spec.input_topic, 3)
+            == 0
+        )
+        second = produce_events(
+            kafka.bootstrap_servers,
+            spec.input_topic,
+            sample_assets.world,
+            150,
+            seed=6,
+            prefix="second",
+        )
+        with deployment.worker():
+            assert len(collector.wait_for(350, 120)) == 350, deployment.log_tail()
+            assert wait_until(
+                lambda: (
+                    committed_lag(
+                        kafka.bootstrap_servers, deployment.config.app_id, spec.input_topic, 3
+                    )
+                    == 0
+                ),
+                timeout_s=30,
+            )
+        ids = [p["event_id"] for p in collector.snapshot().predictions]
+        assert sorted(ids) == sorted([*first, *second])
+    finally:
+        collector.stop()
