@@ -38,6 +38,7 @@ def apicurio_app() -> Path:
 class SchemaRegistryServer:
     state_dir: Path
     port: int = 8081
+    management_port: int = 8091
     heap_mb: int = 384
 
     @property
@@ -60,7 +61,9 @@ class SchemaRegistryServer:
             "-Djava.awt.headless=true",
             "-Dquarkus.http.host=127.0.0.1",
             f"-Dquarkus.http.port={self.port}",
-            "-Dquarkus.management.enabled=false",
+            # The management interface is fixed on at build time; keep it on loopback.
+            "-Dquarkus.management.host=127.0.0.1",
+            f"-Dquarkus.management.port={self.management_port}",
             "-Dquarkus.log.level=WARN",
             "-jar",
             str(app / "quarkus-run.jar"),

@@ -89,10 +89,11 @@ def registry() -> None:
 @registry.command("start")
 @click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "registry")
 @click.option("--port", default=8081, show_default=True)
-def registry_start(state_dir: Path, port: int) -> None:
+@click.option("--management-port", default=8091, show_default=True)
+def registry_start(state_dir: Path, port: int, management_port: int) -> None:
     from infra.registry import SchemaRegistryServer
 
-    server = SchemaRegistryServer(state_dir, port)
+    server = SchemaRegistryServer(state_dir, port, management_port)
     took = server.start()
     click.echo(f"Schema registry ready at {server.url} ({took:.1f} s)")
 

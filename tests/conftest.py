@@ -39,7 +39,7 @@ def kafka(tmp_path_factory) -> Iterator[KafkaBroker]:
 
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory) -> Iterator[SchemaRegistryServer]:
-    server = SchemaRegistryServer(tmp_path_factory.mktemp("registry"), free_port())
+    server = SchemaRegistryServer(tmp_path_factory.mktemp("registry"), free_port(), free_port())
     server.start()
     yield server
     server.stop()

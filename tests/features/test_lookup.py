@@ -1,0 +1,91 @@
+"""Online feature reads: one deduplicated read per batch, missing entities flagged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from features.errors import FeatureStoreError
+from features.lookup import FeatureLookup
+from features.store import open_store
+
+ENTITY_FIELDS = {"user_id": "user_id", "merchant_id": "merchant_id"}
+
+
+@pytest.fixture(scope="module")
+def store(sample_assets):
+    return open_store(sample_assets.repo)
+
+
+@pytest.fixture
+def lookup(store):
+    client = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS)
+    yield client
+    client.close()
+
+
+def test_values_equal_the_generated_statistics(lookup, sample_assets):
+    users = sample_assets.world.users().set_index("user_id")
+    merchants = sample_assets.world.merchants().set_index("merchant_id")
+    events = [
+        {"user_id": "u0000003", "merchant_id": "m000010"},
+        {"user_id": "u0000004", "merchant_id": "m000011"},
+    ]
+    rows = lookup.read(events)
+    for row, event in enumerate(events):
+        user = users.loc[event["user_id"]]
+        merchant = merchants.loc[event["merchant_id"]]
+        assert rows.columns["user_stats__txn_count_7d"][row] == user["txn_count_7d"]
+        assert rows.columns["user_stats__avg_amount_7d"][row] == pytest.approx(
+            user["avg_amount_7d"], rel=1e-6
+        )
+        assert rows.columns["merchant_stats__risk_score"][row] == pytest.approx(
+            merchant["risk_score"], rel=1e-6
+        )
+    assert rows.missing_views == [(), ()]
+
+
+def test_duplicate_keys_are_read_once(lookup):
+    events = [{"user_id": "u0000001", "merchant_id": "m000001"}] * 5 + [
+        {"user_id": "u0000002", "merchant_id": "m000001"}
+    ]
+    rows = lookup.read(events)
+    assert rows.unique_keys == 2
+    assert len(rows.columns["user_stats__txn_count_7d"]) == 6
+
+
+def test_missing_entity_is_flagged_not_fatal(lookup):
+    rows = lookup.read(
+        [
+            {"user_id": "nobody", "merchant_id": "m000001"},
+            {"user_id": "u0000001", "merchant_id": "nowhere"},
+        ]
+    )
+    assert rows.missing_views == [("user_stats",), ("merchant_stats",)]
+    assert np.isnan(rows.columns["user_stats__txn_count_7d"][0])
+    assert not np.isnan(rows.columns["merchant_stats__risk_score"][0])
+    assert np.isnan(rows.columns["merchant_stats__risk_score"][1])
+
+
+async def test_fetch_runs_off_the_loop_and_matches_read(lookup):
+    events = [{"user_id": f"u{i:07d}", "merchant_id": f"m{i:06d}"} for i in range(20)]
+    fetched = await lookup.fetch(events)
+    direct = lookup.read(events)
+    for ref in lookup.feature_refs:
+        np.testing.assert_array_equal(fetched.columns[ref], direct.columns[ref])
+
+
+def test_empty_batch(lookup):
+    rows = lookup.read([])
+    assert rows.unique_keys == 0
+    assert rows.missing_views == []
+
+
+def test_unknown_feature_service_is_a_clear_error(store):
+    with pytest.raises(FeatureStoreError, match="not registered"):
+        FeatureLookup(store, "no_such_service", ENTITY_FIELDS)
+
+
+def test_store_without_repo_is_a_clear_error(tmp_path):
+    with pytest.raises(FeatureStoreError, match=r"feature_store\.yaml"):
+        open_store(tmp_path)

@@ -1,0 +1,43 @@
+"""The local service launchers and topic creation, against the session's real broker."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from infra.topics import delete_topics, ensure_topics
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def test_start_on_a_running_broker_is_a_no_op(kafka):
+    pid = kafka.process.pid()
+    assert pid is not None
+    assert kafka.start() == 0.0
+    assert kafka.process.pid() == pid
+    assert kafka.ready()
+
+
+def test_topics_get_the_partition_counts_asked_for(kafka):
+    suffix = uuid.uuid4().hex[:8]
+    names = {f"one-{suffix}": 1, f"four-{suffix}": 4}
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    try:
+        assert sorted(ensure_topics(kafka.bootstrap_servers, names)) == sorted(names)
+        assert ensure_topics(kafka.bootstrap_servers, names) == []
+        topics = admin.list_topics(timeout=10).topics
+        for name, partitions in names.items():
+            assert len(topics[name].partitions) == partitions
+    finally:
+        delete_topics(kafka.bootstrap_servers, names)
+    assert wait_until(
+        lambda: not set(names) & set(admin.list_topics(timeout=10).topics), timeout_s=30
+    )
+
+
+def test_registry_serves_the_confluent_api(registry):
+    assert registry.ready()
+    assert registry.url.endswith("/apis/ccompat/v7")

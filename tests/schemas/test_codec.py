@@ -1,0 +1,122 @@
+"""The Confluent wire format: round trips and every way a record can be unreadable."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schemas.catalogue import LOCAL_IDS, LocalCatalogue
+from schemas.codec import AvroDecoder, AvroEncoder
+from schemas.errors import DecodeError, SchemaNotFoundError
+from schemas.validation import InvalidEventError, validate_transaction
+
+EVENT = {
+    "event_id": "e-1",
+    "user_id": "u0000001",
+    "merchant_id": "m000001",
+    "amount": 12.5,
+    "hour_of_day": 3,
+    "is_online": True,
+    "event_time_ms": 1_700_000_000_000,
+}
+
+
+@pytest.fixture
+def encoder() -> AvroEncoder:
+    return AvroEncoder(LocalCatalogue(), "transaction.avsc", "transactions-value")
+
+
+@pytest.fixture
+def decoder() -> AvroDecoder:
+    return AvroDecoder(LocalCatalogue(), "transaction.avsc")
+
+
+def test_round_trip_with_confluent_framing(encoder, decoder):
+    raw = encoder.encode(EVENT)
+    assert raw[0] == 0
+    assert struct.unpack(">I", raw[1:5])[0] == 1
+    assert decoder.decode(raw) == EVENT
+
+
+@given(
+    event_id=st.text(min_size=1, max_size=40),
+    amount=st.floats(min_value=0, max_value=1e9),
+    hour=st.integers(0, 23),
+    online=st.booleans(),
+    at=st.integers(0, 2**62),
+)
+def test_round_trip_of_any_transaction(event_id, amount, hour, online, at):
+    codec = AvroEncoder(LocalCatalogue(), "transaction.avsc", "t-value")
+    event = {**EVENT, "event_id": event_id, "amount": amount, "hour_of_day": hour,
+             "is_online": online, "event_time_ms": at}  # fmt: skip
+    assert AvroDecoder(LocalCatalogue(), "transaction.avsc").decode(codec.encode(event)) == event
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (None, "truncated"),
+        (b"", "truncated"),
+        (b"\x00\x00\x00", "truncated"),
+        (b"\x01\x00\x00\x00\x01abc", "bad_magic"),
+        (b"\x00\x00\x00\x00\x63abc", "unknown_schema"),
+    ],
+)
+def test_unreadable_framing(decoder, raw, reason):
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(raw)
+    assert caught.value.reason == reason
+
+
+def test_truncated_body(encoder, decoder):
+    raw = encoder.encode(EVENT)
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(raw[:-5])
+    assert caught.value.reason == "truncated"
+    assert "ended early" in str(caught.value)
+
+
+def test_trailing_bytes_mean_the_wrong_schema(encoder, decoder):
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(encoder.encode(EVENT) + b"\x00\x01")
+    assert caught.value.reason == "trailing_bytes"
+
+
+def test_record_of_another_schema_is_rejected(decoder):
+    prediction_framed = b"\x00" + struct.pack(">I", 2) + b"\x02a"
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(prediction_framed)
+    assert caught.value.reason in {"incompatible_schema", "truncated", "corrupt"}
+
+
+def test_unknown_id_names_where_it_looked(decoder):
+    with pytest.raises(SchemaNotFoundError, match="local catalogue") as caught:
+        decoder.decode(b"\x00" + struct.pack(">I", 4242) + b"\x00")
+    assert caught.value.schema_id == 4242
+
+
+def test_local_catalogue_ids_are_stable():
+    assert LOCAL_IDS == {1: "transaction.avsc", 2: "prediction.avsc"}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"user_id": ""}, "user_id"),
+        ({"amount": -1.0}, "amount"),
+        ({"amount": float("nan")}, "amount"),
+        ({"amount": float("inf")}, "amount"),
+        ({"hour_of_day": 24}, "hour_of_day"),
+    ],
+)
+def test_validation_names_the_field(change, field):
+    with pytest.raises(InvalidEventError, match=field) as caught:
+        validate_transaction({**EVENT, **change})
+    assert caught.value.reason == "invalid_field"
+
+
+def test_valid_event_passes_validation():
+    validate_transaction(EVENT)

@@ -1,0 +1,99 @@
+"""Configuration validation: errors name the file, the field and what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from streams.config import load_config, parse_config
+from streams.demo import sample_config
+from streams.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, data) -> Path:
+    path = tmp_path / "headrace.yaml"
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def valid() -> dict:
+    return sample_config("127.0.0.1:9092", Path("repo"), Path("models/m.onnx"))
+
+
+def test_the_shipped_config_is_valid():
+    config = load_config(REPO_ROOT / "headrace.yaml")
+    assert config.pipelines[0].input_topic == "transactions"
+    assert config.features.repo_path == REPO_ROOT / "features" / "repo"
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path):
+    config = load_config(write(tmp_path, valid()))
+    assert config.features.repo_path == tmp_path / "repo"
+    assert config.pipelines[0].model.path == tmp_path / "models" / "m.onnx"
+
+
+def test_defaults_fill_what_is_left_out(tmp_path):
+    data = valid()
+    del data["pipelines"][0]["max_batch_size"]
+    config = load_config(write(tmp_path, data))
+    assert config.pipelines[0].max_batch_size == 64
+    assert config.registry is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "problem"),
+    [
+        (lambda d: d["pipelines"][0].update(max_batch_size=0), "pipelines.0.max_batch_size",
+         "greater than or equal to 1"),
+        (lambda d: d["pipelines"][0].update(max_wait_ms=-1), "pipelines.0.max_wait_ms",
+         "greater than or equal to 0"),
+        (lambda d: d["pipelines"][0].pop("input_topic"), "pipelines.0.input_topic",
+         "Field required"),
+        (lambda d: d["pipelines"][0]["model"].update(device="tpu"), "pipelines.0.model.device",
+         "'cpu' or 'cuda'"),
+        (lambda d: d.update(colour="blue"), "colour", "Extra inputs are not permitted"),
+        (lambda d: d.update(pipelines=[]), "pipelines", "at least 1"),
+        (lambda d: d.update(registry={"url": "localhost:8081"}), "registry.url",
+         "should match pattern"),
+        (lambda d: d["pipelines"][0].update(input_topic="bad topic"), "pipelines.0.input_topic",
+         "should match pattern"),
+    ],
+)  # fmt: skip
+def test_errors_name_file_and_field(tmp_path, edit, field, problem):
+    data = valid()
+    edit(data)
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert message.startswith(str(path))
+    assert f"{field}:" in message
+    assert problem in message
+
+
+def test_two_pipelines_cannot_share_an_input_topic():
+    data = valid()
+    second = {**data["pipelines"][0], "name": "other"}
+    data["pipelines"].append(second)
+    with pytest.raises(ConfigError, match="input_topic"):
+        parse_config(data, "inline")
+
+
+def test_not_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "pipelines: [unclosed"))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_config_is_frozen(tmp_path):
+    config = load_config(write(tmp_path, valid()))
+    with pytest.raises(ValueError):
+        config.pipelines[0].max_batch_size = 3
