@@ -7,6 +7,7 @@ few malformed ones) at a fixed rate, reads every outcome back and stops everythi
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,9 @@ def run_demo(state_dir: Path, rate: float, duration_s: float, partitions: int) -
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     step = _Steps()
+    # A private broker, fresh every run: old outcomes must not count in this run's figures.
+    KafkaBroker(state_dir / "kafka").stop()
+    shutil.rmtree(state_dir / "kafka", ignore_errors=True)
     broker = KafkaBroker(state_dir / "kafka", free_port(), free_port())
     worker = None
     collector = None
