@@ -39,6 +39,13 @@ END_TO_END_SECONDS = Histogram(
     ["pipeline"],
     buckets=_SECONDS,
 )
+ADMISSION_LAG_SECONDS = Histogram(
+    "headrace_admission_lag_seconds",
+    "From the input record's Kafka timestamp to its batch entering the pipeline "
+    "(time spent in Kafka, the consumer and the batcher).",
+    ["pipeline"],
+    buckets=_SECONDS,
+)
 BATCH_SIZE = Histogram(
     "headrace_batch_size",
     "Events per micro-batch.",

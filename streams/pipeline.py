@@ -70,6 +70,11 @@ class Pipeline:
     async def process(self, records: Sequence[InputRecord]) -> BatchOutcome:
         name = self.config.name
         started = time.perf_counter()
+        admitted_ms = time.time() * 1000
+        for record in records:
+            metrics.ADMISSION_LAG_SECONDS.labels(name).observe(
+                max(0.0, admitted_ms - record.timestamp_ms) / 1000
+            )
         events: list[dict[str, Any]] = []
         scored: list[InputRecord] = []
         outcomes: list[OutRecord | None] = [None] * len(records)
