@@ -190,7 +190,7 @@ def produce(
     from features.sample_data import SampleWorld
     from schemas.catalogue import open_catalogue
     from schemas.codec import AvroEncoder
-    from streams.loadgen import sample_events, send_at_rate
+    from streams.loadgen import encoded, sample_events, send_at_rate
 
     config = _config(config_path)
     spec = _pipeline(config, pipeline_name)
@@ -200,8 +200,7 @@ def produce(
     report = send_at_rate(
         producer,
         spec.input_topic,
-        encoder,
-        sample_events(SampleWorld(), seed),
+        encoded(sample_events(SampleWorld(), seed), encoder),
         rate,
         duration,
         on_tick=lambda sent: click.echo(f"\rsent {sent}", nl=False, err=True),
@@ -266,6 +265,61 @@ def demo(rate: float, duration: float, partitions: int, state_dir: Path) -> None
     from streams.demo import run_demo
 
     run_demo(state_dir, rate, duration, partitions)
+
+
+@cli.command()
+@click.option("--rates", help="Comma-separated offered rates (events/s); default: a sweep.")
+@click.option("--sweep-start", default=100.0, show_default=True)
+@click.option("--sweep-max", default=12_800.0, show_default=True)
+@click.option("--warmup", default=2.0, show_default=True, help="Seconds per step, not counted.")
+@click.option("--measure", default=5.0, show_default=True, help="Measured seconds per step.")
+@click.option("--budget-ms", default=50.0, show_default=True, help="p99 bound for sustainable.")
+@click.option("--partitions", default=3, show_default=True)
+@click.option("--max-batch-size", default=64, show_default=True)
+@click.option("--max-wait-ms", default=5.0, show_default=True)
+@click.option("--no-baselines", is_flag=True, help="Only headrace (no naive, Kafka, ONNX).")
+@click.option("--bootstrap", help="Use this running broker instead of a private one.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True
+)
+def bench(
+    rates: str | None,
+    sweep_start: float,
+    sweep_max: float,
+    warmup: float,
+    measure: float,
+    budget_ms: float,
+    partitions: int,
+    max_batch_size: int,
+    max_wait_ms: float,
+    no_baselines: bool,
+    bootstrap: str | None,
+    out: Path,
+) -> None:
+    """Open-loop benchmark of headrace against raw Kafka, raw ONNX and a naive loop."""
+    import time
+
+    from streams.bench.harness import Bench, BenchSettings
+    from streams.bench.report import write_reports
+
+    settings = BenchSettings(
+        rates=tuple(float(r) for r in rates.split(",")) if rates else (),
+        sweep_start_per_s=sweep_start,
+        sweep_max_per_s=sweep_max,
+        warmup_s=warmup,
+        measure_s=measure,
+        budget_ms=budget_ms,
+        partitions=partitions,
+        max_batch_size=max_batch_size,
+        max_wait_ms=max_wait_ms,
+        baselines=not no_baselines,
+        bootstrap_servers=bootstrap,
+        state_dir=DEFAULT_STATE / "bench",
+    )
+    results = Bench(settings).run()
+    paths = write_reports(results, out / time.strftime("%Y%m%d-%H%M%S"))
+    click.echo(paths["markdown"].read_text())
+    click.echo(f"reports: {', '.join(str(p) for p in paths.values())}")
 
 
 def main() -> None:

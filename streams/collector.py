@@ -1,8 +1,9 @@
-"""Reading a pipeline's outcomes back from Kafka, as a downstream consumer would.
+"""Reading topics back from Kafka, as a downstream consumer would.
 
-Used by the demo, the tests and the benchmark: a background thread consumes the
-output and dead-letter topics from the beginning, decodes predictions, and records
-each outcome's end-to-end latency (read time minus the input's Kafka timestamp).
+`TopicReader` consumes topics from the beginning in a background thread and hands
+each batch of messages to a handler; `OutcomeCollector` (demo, tests) and the
+benchmark's latency reader are built on it. Latency is read time minus the input's
+Kafka timestamp.
 """
 
 from __future__ import annotations
@@ -10,11 +11,77 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, Message
 
 from schemas.codec import AvroDecoder
+
+
+class TopicReader:
+    """Consumes `topics` from the earliest offset in a thread owned by this object.
+
+    `handle(messages, read_ms)` runs in that thread and returns how many items it
+    kept; `wait_for(count)` blocks until that many were kept or time ran out.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topics: list[str],
+        handle: Callable[[list[Message], float], int],
+    ) -> None:
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap_servers,
+                "group.id": f"headrace-reader-{uuid.uuid4().hex[:8]}",
+                "auto.offset.reset": "earliest",
+                "enable.auto.commit": False,
+                # Read as soon as anything arrives: this consumer measures latency.
+                "fetch.wait.max.ms": 5,
+            }
+        )
+        self._consumer.subscribe(topics)
+        self._handle = handle
+        self.count = 0
+        self._changed = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="topic-reader", daemon=True)
+
+    def start(self) -> TopicReader:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop reading and close the consumer. Safe twice."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            self._thread.join()
+            self._consumer.close()
+
+    def wait_for(self, count: int, timeout_s: float) -> int:
+        """Block until `count` items were kept or `timeout_s` passed; return the count."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self.count >= count, max(0.0, deadline - time.monotonic())
+            )
+            return self.count
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            # consume(n, timeout) waits for n messages or the timeout: it would add up to
+            # the timeout to every latency. Wait for one, then take what is already here.
+            first = self._consumer.poll(0.1)
+            if first is None:
+                continue
+            read_ms = time.time() * 1000
+            messages = [first, *self._consumer.consume(999, 0)]
+            kept = self._handle([m for m in messages if not m.error()], read_ms)
+            with self._changed:
+                self.count += kept
+                self._changed.notify_all()
 
 
 @dataclass
@@ -34,7 +101,7 @@ class Outcomes:
 
 
 class OutcomeCollector:
-    """Collects outcomes in a thread; `wait_for` blocks until enough arrived or time ran out."""
+    """Decodes a pipeline's predictions and dead letters, with each prediction's latency."""
 
     def __init__(
         self,
@@ -43,64 +110,39 @@ class OutcomeCollector:
         dead_letter_topic: str,
         decoder: AvroDecoder,
     ) -> None:
-        self._consumer = Consumer(
-            {
-                "bootstrap.servers": bootstrap_servers,
-                "group.id": f"headrace-collector-{uuid.uuid4().hex[:8]}",
-                "auto.offset.reset": "earliest",
-                "enable.auto.commit": False,
-                "fetch.wait.max.ms": 5,
-            }
-        )
         self._output_topic = output_topic
-        self._consumer.subscribe([output_topic, dead_letter_topic])
         self._decoder = decoder
         self._outcomes = Outcomes()
-        self._changed = threading.Condition()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="outcome-collector", daemon=True)
+        self._lock = threading.Lock()
+        self._reader = TopicReader(bootstrap_servers, [output_topic, dead_letter_topic], self._keep)
 
     def start(self) -> OutcomeCollector:
-        self._thread.start()
+        self._reader.start()
         return self
 
     def stop(self) -> None:
-        if not self._stopping.is_set():
-            self._stopping.set()
-            self._thread.join()
-            self._consumer.close()
+        self._reader.stop()
 
     def snapshot(self) -> Outcomes:
-        with self._changed:
+        with self._lock:
             return Outcomes(list(self._outcomes.predictions), list(self._outcomes.dead_letters))
 
     def wait_for(self, count: int, timeout_s: float) -> Outcomes:
         """Block until at least `count` outcomes arrived or `timeout_s` passed; return them."""
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            self._changed.wait_for(
-                lambda: len(self._outcomes) >= count, max(0.0, deadline - time.monotonic())
-            )
+        self._reader.wait_for(count, timeout_s)
         return self.snapshot()
 
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            messages = self._consumer.consume(500, 0.1)
-            if not messages:
-                continue
-            read_ms = time.time() * 1000
-            with self._changed:
-                for message in messages:
-                    if message.error():
-                        continue
-                    if message.topic() == self._output_topic:
-                        prediction = self._decoder.decode(message.value())
-                        prediction["latency_ms"] = read_ms - prediction["event_timestamp_ms"]
-                        prediction["key"] = message.key()
-                        self._outcomes.predictions.append(prediction)
-                    else:
-                        headers = {k: v.decode() for k, v in message.headers() or []}
-                        self._outcomes.dead_letters.append(
-                            DeadLetter(message.key(), message.value(), headers)
-                        )
-                self._changed.notify_all()
+    def _keep(self, messages: list[Message], read_ms: float) -> int:
+        with self._lock:
+            for message in messages:
+                if message.topic() == self._output_topic:
+                    prediction = self._decoder.decode(message.value())
+                    prediction["latency_ms"] = read_ms - prediction["event_timestamp_ms"]
+                    prediction["key"] = message.key()
+                    self._outcomes.predictions.append(prediction)
+                else:
+                    headers = {k: v.decode() for k, v in message.headers() or []}
+                    self._outcomes.dead_letters.append(
+                        DeadLetter(message.key(), message.value(), headers)
+                    )
+        return len(messages)

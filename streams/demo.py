@@ -28,7 +28,7 @@ from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
 from streams.collector import OutcomeCollector
 from streams.config import HeadraceConfig, parse_config
-from streams.loadgen import malformed_records, sample_events, send_at_rate
+from streams.loadgen import encoded, malformed_records, sample_events, send_at_rate
 from streams.worker import create_topics
 
 WARMUP_EVENTS = 200
@@ -149,7 +149,7 @@ def run_demo(state_dir: Path, rate: float, duration_s: float, partitions: int) -
         ).start()
         producer = Producer({"bootstrap.servers": broker.bootstrap_servers, "linger.ms": 1})
         events = sample_events(world, seed=int(time.time()))
-        send_at_rate(producer, spec.input_topic, encoder, events, 100, WARMUP_EVENTS / 100)
+        send_at_rate(producer, spec.input_topic, encoded(events, encoder), 100, WARMUP_EVENTS / 100)
         if len(collector.wait_for(WARMUP_EVENTS, 120)) < WARMUP_EVENTS:
             raise click.ClickException(
                 f"the worker answered no warm-up events; see {state_dir / 'worker.log'}"
@@ -163,8 +163,7 @@ def run_demo(state_dir: Path, rate: float, duration_s: float, partitions: int) -
         report = send_at_rate(
             producer,
             spec.input_topic,
-            encoder,
-            events,
+            encoded(events, encoder),
             rate,
             duration_s,
             on_tick=lambda sent: _progress(sent, collector, WARMUP_EVENTS),

@@ -50,9 +50,17 @@ def malformed_records(encoder: AvroEncoder, valid: dict) -> dict[str, bytes]:
     }
 
 
+def encoded(events: Iterator[dict], encoder: AvroEncoder) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) pairs of framed events, keyed by user id."""
+    for event in events:
+        yield event["user_id"].encode(), encoder.encode(event)
+
+
 @dataclass
 class SendReport:
     sent: int
+    started_s: float
+    """Wall-clock time of the first intended send (epoch seconds)."""
     elapsed_s: float
     max_lag_ms: float
     """Worst delay of an actual send behind its schedule."""
@@ -61,43 +69,47 @@ class SendReport:
 def send_at_rate(
     producer: Producer,
     topic: str,
-    encoder: AvroEncoder,
-    events: Iterator[dict],
+    records: Iterator[tuple[bytes, bytes]],
     rate_per_s: float,
     duration_s: float,
     on_tick: Callable[[int], None] | None = None,
 ) -> SendReport:
-    """Send `rate_per_s * duration_s` events on a fixed schedule, keyed by user id.
+    """Send `rate_per_s * duration_s` records on a fixed schedule, open loop.
 
-    Blocks for about `duration_s`; flushes before returning. `on_tick(sent)` is
-    called about once a second (progress display).
+    Record i is due at `start + i / rate`; each wake-up sends every record already
+    due, stamped with its own intended time, so falling behind never slows the
+    schedule. Blocks for about `duration_s`, flushes before returning. `on_tick(sent)`
+    is called about once a second (progress display).
     """
     total = int(rate_per_s * duration_s)
     start = time.time()
     next_tick = start + 1.0
     max_lag_s = 0.0
-    for index in range(total):
-        intended = start + index / rate_per_s
-        wait = intended - time.time()
+    sent = 0
+    while sent < total:
+        now = time.time()
+        due = min(total, int((now - start) * rate_per_s) + 1)
+        if sent < due:
+            max_lag_s = max(max_lag_s, now - (start + sent / rate_per_s))
+        while sent < due:
+            key, value = next(records)
+            _produce(producer, topic, key, value, start + sent / rate_per_s)
+            sent += 1
+        producer.poll(0)
+        if on_tick is not None and now >= next_tick:
+            on_tick(sent)
+            next_tick += 1.0
+        wait = start + sent / rate_per_s - time.time()
         if wait > 0:
             time.sleep(wait)
-        else:
-            max_lag_s = max(max_lag_s, -wait)
-        event = next(events)
-        event["event_time_ms"] = int(intended * 1000)
-        _produce(producer, topic, event["user_id"].encode(), encoder.encode(event), intended)
-        if on_tick is not None and time.time() >= next_tick:
-            on_tick(index + 1)
-            next_tick += 1.0
     producer.flush(30)
-    return SendReport(total, time.time() - start, max_lag_s * 1000)
+    return SendReport(total, start, time.time() - start, max_lag_s * 1000)
 
 
 def _produce(producer: Producer, topic: str, key: bytes, value: bytes, at_s: float) -> None:
     while True:
         try:
             producer.produce(topic, value, key, timestamp=int(at_s * 1000))
-            producer.poll(0)
             return
         except BufferError:
             producer.poll(0.01)

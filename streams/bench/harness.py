@@ -1,0 +1,327 @@
+"""The benchmark run: setup, the sweeps of headrace and the baselines, and the verdicts.
+
+Every system gets the same pre-encoded event stream, sent open-loop at each offered
+rate (a warm-up, then a measured window), and is read back by a consumer that
+measures end-to-end latency from each event's intended send time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import numpy as np
+from confluent_kafka import Producer
+from pydantic import BaseModel, ConfigDict, Field
+
+from features.sample_data import SampleWorld
+from infra.kafka import KafkaBroker
+from infra.ports import free_port
+from infra.topics import delete_topics, ensure_topics
+from models.session import ModelSession
+from schemas.catalogue import LocalCatalogue
+from schemas.codec import AvroEncoder
+from streams.bench.latency import LatencyLog, LatencySummary, prediction_reader, raw_reader
+from streams.bench.profile import scrape, stage_profile
+from streams.collector import TopicReader
+from streams.demo import (
+    prepare_sample_assets,
+    sample_config,
+    start_worker,
+    stop_worker,
+    write_config,
+)
+from streams.loadgen import encoded, sample_events, send_at_rate
+
+EVENT_POOL = 20_000
+
+
+class BenchSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rates: tuple[float, ...] = ()
+    """Offered rates (events/s) to run; empty means a geometric sweep."""
+    sweep_start_per_s: float = Field(100.0, gt=0)
+    sweep_factor: float = Field(2.0, gt=1)
+    sweep_max_per_s: float = Field(12_800.0, gt=0)
+    warmup_s: float = Field(2.0, ge=0)
+    measure_s: float = Field(5.0, gt=0)
+    drain_timeout_s: float = Field(15.0, gt=0)
+    budget_ms: float = Field(50.0, gt=0)
+    """p99 bound of the sustainable throughput."""
+    partitions: int = Field(3, ge=1, le=64)
+    max_batch_size: int = Field(64, ge=1, le=4096)
+    max_wait_ms: float = Field(5.0, ge=0)
+    baselines: bool = True
+    state_dir: Path = Path(".headrace/bench")
+    bootstrap_servers: str | None = None
+    """Reuse a running broker instead of starting a private one."""
+
+    def offered_rates(self) -> list[float]:
+        if self.rates:
+            return sorted(self.rates)
+        count = int(math.log(self.sweep_max_per_s / self.sweep_start_per_s, self.sweep_factor))
+        return [self.sweep_start_per_s * self.sweep_factor**i for i in range(count + 1)]
+
+
+@dataclass
+class StepResult:
+    system: str
+    offered_per_s: float
+    measured: int
+    """Events sent inside the measured window."""
+    answered: int
+    unanswered: int
+    achieved_per_s: float
+    latency: LatencySummary
+    statuses: dict[str, int]
+    send_lag_ms: float
+    within_budget: bool
+    overloaded: bool
+    profile: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SystemUnderTest:
+    name: str
+    input_topic: str
+    reader: TopicReader
+    log: LatencyLog
+    sent: int = 0
+    profile_port: int | None = None
+
+
+class Bench:
+    """One benchmark run; `run()` returns everything the report needs."""
+
+    def __init__(self, settings: BenchSettings, echo: Callable[..., None] = click.echo) -> None:
+        self.settings = settings
+        self.echo = echo
+        self.run_id = uuid.uuid4().hex[:6]
+        self.state_dir = settings.state_dir.resolve()
+        self._topics: list[str] = []
+
+    def run(self) -> dict:
+        settings = self.settings
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        broker = self._broker()
+        self.bootstrap = settings.bootstrap_servers or broker.bootstrap_servers
+        started = time.time()
+        try:
+            self.echo("preparing features (SQLite Feast) and the sample model")
+            world = SampleWorld()
+            self.repo, self.model_path = prepare_sample_assets(self.state_dir, world)
+            self.records = _event_pool(world, self.run_id)
+            results: dict = {"settings": settings.model_dump(mode="json"), "steps": []}
+            if settings.baselines:
+                results["onnx"] = self._raw_onnx()
+            headrace = self._run_headrace()
+            results["steps"] += headrace
+            if settings.baselines:
+                rates = [s.offered_per_s for s in headrace]
+                results["steps"] += self._run_raw_kafka(rates)
+                results["steps"] += self._run_naive()
+            results["elapsed_s"] = time.time() - started
+            return results
+        finally:
+            if self._topics:
+                delete_topics(self.bootstrap, self._topics)
+            if broker is not None:
+                broker.stop()
+
+    # Systems --------------------------------------------------------------------
+
+    def _run_headrace(self) -> list[StepResult]:
+        system, worker = self._start_pipeline_process("headrace", worker=True)
+        try:
+            return self._sweep(system, self.settings.offered_rates())
+        finally:
+            stop_worker(worker)
+            system.reader.stop()
+
+    def _run_naive(self) -> list[StepResult]:
+        system, process = self._start_pipeline_process("naive", worker=False)
+        try:
+            return self._sweep(system, self.settings.offered_rates())
+        finally:
+            stop_worker(process)
+            system.reader.stop()
+
+    def _run_raw_kafka(self, rates: list[float]) -> list[StepResult]:
+        topic = self._topic("raw", self.settings.partitions)
+        log = LatencyLog()
+        system = SystemUnderTest("kafka", topic, raw_reader(self.bootstrap, [topic], log), log)
+        system.reader.start()
+        try:
+            return self._sweep(system, rates, stop_when_overloaded=False)
+        finally:
+            system.reader.stop()
+
+    def _raw_onnx(self) -> list[dict]:
+        """The compute floor: the model on in-memory matrices at each batch size."""
+        self.echo("raw ONNX Runtime at each batch size")
+        model = ModelSession(self.model_path, intra_op_threads=1)
+        rng = np.random.default_rng(0)
+        sizes = sorted({1, *(2**i for i in range(13) if 2**i <= self.settings.max_batch_size),
+                        self.settings.max_batch_size})  # fmt: skip
+        rows = []
+        try:
+            for size in sizes:
+                matrix = rng.random((size, len(model.metadata.feature_names)), dtype=np.float32)
+                timings = []
+                deadline = time.perf_counter() + 0.5
+                while time.perf_counter() < deadline or len(timings) < 20:
+                    began = time.perf_counter_ns()
+                    model.predict(matrix)
+                    timings.append((time.perf_counter_ns() - began) / 1000)
+                p50, p99 = np.percentile(timings, [50, 99])
+                rows.append({"batch_size": size, "runs": len(timings), "p50_us": p50,
+                             "p99_us": p99, "per_event_us": p50 / size,
+                             "events_per_s": size / p50 * 1e6})  # fmt: skip
+        finally:
+            model.close()
+        return rows
+
+    # Mechanics ------------------------------------------------------------------
+
+    def _start_pipeline_process(self, name: str, worker: bool):
+        suffix = f"-bench-{name}-{self.run_id}"
+        port = free_port()
+        config = sample_config(
+            self.bootstrap,
+            self.repo,
+            self.model_path,
+            suffix=suffix,
+            metrics_port=port if worker else 0,
+            max_batch_size=self.settings.max_batch_size,
+            max_wait_ms=self.settings.max_wait_ms,
+        )
+        config_file = self.state_dir / f"{name}.yaml"
+        parsed = write_config(config, config_file)
+        spec = parsed.pipelines[0]
+        partitions = self.settings.partitions
+        self._topic(spec.input_topic, partitions, exact=True)
+        self._topic(spec.output_topic, partitions, exact=True)
+        self._topic(spec.dead_letter_topic, 1, exact=True)
+        log = LatencyLog()
+        reader = prediction_reader(self.bootstrap, [spec.output_topic], log).start()
+        system = SystemUnderTest(
+            name, spec.input_topic, reader, log, profile_port=port if worker else None
+        )
+        self.echo(f"starting {name}")
+        log_file = self.state_dir / f"{name}.log"
+        if worker:
+            process = start_worker(config_file, log_file)
+        else:
+            with open(log_file, "ab") as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "streams.bench.naive", str(config_file)],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+        # Warm up until answers flow: group join, partition assignment, first reads.
+        producer = self._producer()
+        send_at_rate(producer, system.input_topic, self.records, 100, 2)
+        system.sent += 200
+        if system.reader.wait_for(system.sent, 120) < system.sent:
+            stop_worker(process)
+            reader.stop()
+            raise click.ClickException(f"{name} did not answer its warm-up; see {log_file}")
+        return system, process
+
+    def _sweep(
+        self, system: SystemUnderTest, rates: list[float], stop_when_overloaded: bool = True
+    ) -> list[StepResult]:
+        steps = []
+        for rate in rates:
+            step = self._step(system, rate)
+            steps.append(step)
+            verdict = "ok" if step.within_budget else "over budget"
+            self.echo(
+                f"\r  {system.name:>8} {rate:>8.0f}/s  p50 {step.latency.p50_ms:7.1f} ms  "
+                f"p99 {step.latency.p99_ms:7.1f} ms  answered {step.answered}/{step.measured}"
+                f"  {verdict}"
+            )
+            if stop_when_overloaded and step.overloaded:
+                break
+        return steps
+
+    def _step(self, system: SystemUnderTest, rate: float) -> StepResult:
+        settings = self.settings
+        before = scrape(system.profile_port) if system.profile_port else None
+        report = send_at_rate(
+            self._producer(),
+            system.input_topic,
+            self.records,
+            rate,
+            settings.warmup_s + settings.measure_s,
+            on_tick=lambda sent: self.echo(
+                f"\r  {system.name:>8} {rate:>8.0f}/s  sent {sent}", nl=False
+            ),
+        )
+        system.sent += report.sent
+        system.reader.wait_for(system.sent, settings.drain_timeout_s)
+        profile = stage_profile(before, scrape(system.profile_port)) if before is not None else {}
+
+        stamps_ms = ((report.started_s + np.arange(report.sent) / rate) * 1000).astype(np.int64)
+        window_start = int((report.started_s + settings.warmup_s) * 1000)
+        window_end = int((report.started_s + settings.warmup_s + settings.measure_s) * 1000)
+        measured = int(((stamps_ms >= window_start) & (stamps_ms < window_end)).sum())
+        latencies, statuses = system.log.window(window_start, window_end)
+        summary = LatencySummary.of(latencies)
+        unanswered = max(0, measured - len(latencies))
+        counts: dict[str, int] = {}
+        for status in statuses:
+            counts[status] = counts.get(status, 0) + 1
+        return StepResult(
+            system=system.name,
+            offered_per_s=rate,
+            measured=measured,
+            answered=len(latencies),
+            unanswered=unanswered,
+            achieved_per_s=len(latencies) / settings.measure_s,
+            latency=summary,
+            statuses=counts,
+            send_lag_ms=report.max_lag_ms,
+            within_budget=unanswered == 0 and summary.p99_ms <= settings.budget_ms,
+            overloaded=unanswered > 0 or summary.p99_ms > 4 * settings.budget_ms,
+            profile=profile,
+        )
+
+    def _producer(self) -> Producer:
+        if not hasattr(self, "_shared_producer"):
+            self._shared_producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 1})
+        return self._shared_producer
+
+    def _topic(self, name: str, partitions: int, exact: bool = False) -> str:
+        topic = name if exact else f"bench-{name}-{self.run_id}"
+        ensure_topics(self.bootstrap, {topic: partitions})
+        self._topics.append(topic)
+        return topic
+
+    def _broker(self) -> KafkaBroker | None:
+        if self.settings.bootstrap_servers:
+            return None
+        kafka_dir = self.state_dir / "kafka"
+        KafkaBroker(kafka_dir).stop()
+        shutil.rmtree(kafka_dir, ignore_errors=True)
+        broker = KafkaBroker(kafka_dir, free_port(), free_port())
+        self.echo("starting a private Kafka broker")
+        broker.start()
+        return broker
+
+
+def _event_pool(world: SampleWorld, run_id: str) -> Iterator[tuple[bytes, bytes]]:
+    """The same encoded events for every system, cycled; encoding stays off the send path."""
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", "bench-value")
+    pool = list(itertools.islice(encoded(sample_events(world, 1, f"bench-{run_id}"), encoder),
+                                 EVENT_POOL))  # fmt: skip
+    return itertools.cycle(pool)
