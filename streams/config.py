@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from streams.errors import ConfigError
 
@@ -46,12 +54,20 @@ class FeaturesConfig(_Frozen):
 class ModelConfig(_Frozen):
     path: Path
     """The `.onnx` artifact, with headrace metadata (see `headrace models train`)."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """`cuda` falls back to CPU, with a warning, where CUDA is unusable."""
+    cpu_sessions: int = Field(1, ge=0, le=64)
+    """CPU sessions in the pool, each on its own thread."""
+    cuda_sessions: int = Field(0, ge=0, le=16)
+    """CUDA sessions; each falls back to CPU, with a warning, where CUDA is unusable."""
     intra_op_threads: int = Field(1, ge=1, le=64)
     """ONNX Runtime threads per session; 1 suits a 2-core machine."""
 
     _resolve_path = field_validator("path")(_resolve)
+
+    @model_validator(mode="after")
+    def _some_session(self) -> ModelConfig:
+        if self.cpu_sessions + self.cuda_sessions < 1:
+            raise ValueError("needs at least one session: cpu_sessions + cuda_sessions >= 1")
+        return self
 
 
 class PipelineConfig(_Frozen):
@@ -65,8 +81,30 @@ class PipelineConfig(_Frozen):
     model: ModelConfig
     max_batch_size: int = Field(64, ge=1, le=4096)
     """Most events in one micro-batch (one Feast read, one ONNX run)."""
-    max_wait_ms: float = Field(5.0, ge=0, le=10_000)
+    max_wait_ms: float = Field(2.0, ge=0, le=10_000)
     """Longest the first event of a batch waits for the batch to fill."""
+    batching: Literal["adaptive", "fixed"] = "adaptive"
+    """`adaptive`: a batch is full at the smallest size that keeps up with the arrival
+    rate (small batches when traffic is light); `fixed`: full at `max_batch_size`."""
+    latency_budget_ms: float = Field(100.0, gt=0, le=3_600_000)
+    """An event's deadline is its Kafka timestamp plus this budget."""
+    max_in_flight: int = Field(2_000, ge=1, le=1_000_000)
+    """Consumed but unacknowledged events at which fetching pauses (the memory bound)."""
+    resume_in_flight: int | None = Field(None, ge=0)
+    """Fetching resumes when in-flight events drain to this; default half of max_in_flight."""
+
+    @model_validator(mode="after")
+    def _water_marks(self) -> PipelineConfig:
+        if self.resume_in_flight is not None and self.resume_in_flight >= self.max_in_flight:
+            raise ValueError(
+                f"resume_in_flight ({self.resume_in_flight}) must be below "
+                f"max_in_flight ({self.max_in_flight})"
+            )
+        return self
+
+    @property
+    def resume_at(self) -> int:
+        return self.max_in_flight // 2 if self.resume_in_flight is None else self.resume_in_flight
 
 
 class MetricsConfig(_Frozen):

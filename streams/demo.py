@@ -43,7 +43,8 @@ def sample_config(
     registry_url: str | None = None,
     metrics_port: int = 0,
     max_batch_size: int = 64,
-    max_wait_ms: float = 5.0,
+    max_wait_ms: float = 2.0,
+    latency_budget_ms: float = 100.0,
 ) -> dict[str, Any]:
     """The sample fraud pipeline's config as a plain dict (what a YAML file would hold)."""
     config: dict[str, Any] = {
@@ -60,6 +61,7 @@ def sample_config(
                 "feature_service": "fraud_scoring",
                 "entity_fields": {"user_id": "user_id", "merchant_id": "merchant_id"},
                 "model": {"path": str(model_path)},
+                "latency_budget_ms": latency_budget_ms,
                 "max_batch_size": max_batch_size,
                 "max_wait_ms": max_wait_ms,
             }

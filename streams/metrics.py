@@ -6,7 +6,7 @@ reasons from fixed sets in the code.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 # Stage latencies reach from microseconds (decode) to seconds (a slow store).
 _SECONDS = (
@@ -54,6 +54,24 @@ BATCH_SIZE = Histogram(
 )
 RETRIES = Counter(
     "headrace_batch_retries", "Batches retried after a store, model or Kafka error.", ["pipeline"]
+)
+
+
+IN_FLIGHT = Gauge(
+    "headrace_in_flight_events", "Events consumed and not yet acknowledged.", ["pipeline"]
+)
+PAUSED = Gauge("headrace_fetch_paused", "1 while fetching is paused by backpressure.", ["pipeline"])
+PAUSES = Counter(
+    "headrace_fetch_pauses", "Times fetching was paused at the in-flight bound.", ["pipeline"]
+)
+QUEUE_SECONDS = Histogram(
+    "headrace_batch_queue_seconds",
+    "Wait of a released batch for its next stage (features, inference or publish).",
+    ["pipeline", "stage"],
+    buckets=_SECONDS,
+)
+BATCH_TARGET = Gauge(
+    "headrace_batch_target_size", "The size at which the batcher counts a batch full.", ["pipeline"]
 )
 
 

@@ -1,9 +1,10 @@
-"""One micro-batch through the data path: decode, validate, features, infer, encode, publish.
+"""The stages of one micro-batch: prepare (decode, validate, features), infer, publish.
 
-`Pipeline.process` is the whole per-batch contract, independent of Faust: it returns
+The stages are independent of Faust so that the runner can overlap them across
+batches and the benchmarks can drive them without a consumer. `publish` returns
 once every input of the batch has exactly one outcome durably written to Kafka (a
-prediction on the output topic or a dead-letter record), and raises if it could not
-write them all, so the caller must not acknowledge the batch then.
+prediction or a dead-letter record), and raises if it could not write them all:
+the caller must not acknowledge the batch then.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from features.lookup import FeatureLookup, FeatureRows
 from models.errors import ModelError
-from models.session import ModelMetadata, ModelSession
+from models.pool import SessionPool
+from models.session import ModelMetadata
 from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import DecodeError
 from schemas.validation import validate_transaction
@@ -41,6 +43,19 @@ class InputRecord:
     value: bytes | None
 
 
+@dataclass
+class Prepared:
+    """A batch after decoding and the feature read, ready for the model."""
+
+    records: Sequence[InputRecord]
+    outcomes: list[OutRecord | None]
+    """Dead letters in place; None where a prediction will go."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    scored: list[InputRecord] = field(default_factory=list)
+    rows: FeatureRows | None = None
+    timings: dict[str, int] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class BatchOutcome:
     predictions: int
@@ -54,76 +69,92 @@ class Pipeline:
         decoder: AvroDecoder,
         encoder: AvroEncoder,
         lookup: FeatureLookup,
-        model: ModelSession,
+        model: SessionPool,
         publisher: Publisher,
         event_fields: Sequence[str],
     ) -> None:
         self.config = config
+        self.model = model
         self._decoder = decoder
         self._encoder = encoder
         self._lookup = lookup
-        self._model = model
         self._publisher = publisher
         self._columns = _column_sources(model.metadata, lookup.feature_refs, event_fields)
         self._defaults = np.asarray(model.metadata.feature_defaults, dtype=np.float32)
 
     async def process(self, records: Sequence[InputRecord]) -> BatchOutcome:
+        """All stages, one after the other (no overlap between batches)."""
+        prepared = await self.prepare(records)
+        scores = await self.infer(prepared)
+        return await self.publish(prepared, scores)
+
+    async def prepare(self, records: Sequence[InputRecord]) -> Prepared:
+        """Decode and validate (bad inputs become dead letters), then read features."""
         name = self.config.name
         started = time.perf_counter()
         admitted_ms = time.time() * 1000
-        for record in records:
+        prepared = Prepared(records, [None] * len(records))
+        for index, record in enumerate(records):
             metrics.ADMISSION_LAG_SECONDS.labels(name).observe(
                 max(0.0, admitted_ms - record.timestamp_ms) / 1000
             )
-        events: list[dict[str, Any]] = []
-        scored: list[InputRecord] = []
-        outcomes: list[OutRecord | None] = [None] * len(records)
-        for index, record in enumerate(records):
             try:
                 event = self._decoder.decode(record.value)
                 validate_transaction(event)
             except DecodeError as exc:
-                outcomes[index] = self._dead_letter(record, exc)
+                prepared.outcomes[index] = self._dead_letter(record, exc)
                 continue
-            events.append(event)
-            scored.append(record)
+            prepared.events.append(event)
+            prepared.scored.append(record)
         decoded = time.perf_counter()
+        metrics.STAGE_SECONDS.labels(name, "decode").observe(decoded - started)
+        if prepared.events:
+            prepared.rows = await self._lookup.fetch(prepared.events)
+        fetched = time.perf_counter()
+        metrics.STAGE_SECONDS.labels(name, "features").observe(fetched - decoded)
+        prepared.timings = {
+            "batch_size": len(records),
+            "decode_us": _us(started, decoded),
+            "features_us": _us(decoded, fetched),
+        }
+        return prepared
 
-        if events:
-            rows = await self._lookup.fetch(events)
-            fetched = time.perf_counter()
-            scores = await self._model.predict_async(self._assemble(events, rows))
-            inferred = time.perf_counter()
-            timings = {
-                "batch_size": len(records),
-                "decode_us": _us(started, decoded),
-                "features_us": _us(decoded, fetched),
-                "inference_us": _us(fetched, inferred),
-            }
-            predictions = iter(self._encode(scored, events, rows, scores, timings))
+    async def infer(self, prepared: Prepared) -> np.ndarray:
+        """Scores of the prepared events (one model run for the whole batch)."""
+        if not prepared.events:
+            return np.empty(0, dtype=np.float32)
+        started = time.perf_counter()
+        scores = await self.model.predict(self._assemble(prepared.events, prepared.rows))
+        seconds = time.perf_counter() - started
+        metrics.STAGE_SECONDS.labels(self.config.name, "inference").observe(seconds)
+        prepared.timings["inference_us"] = int(seconds * 1_000_000)
+        return scores
+
+    async def publish(self, prepared: Prepared, scores: np.ndarray) -> BatchOutcome:
+        """Encode the predictions and write every outcome; returns once Kafka has them all."""
+        name = self.config.name
+        started = time.perf_counter()
+        outcomes = prepared.outcomes
+        if prepared.events:
+            prepared.timings.setdefault("inference_us", 0)
+            predictions = iter(self._encode(prepared, scores))
             outcomes = [o if o is not None else next(predictions) for o in outcomes]
-            encoded = time.perf_counter()
-            metrics.STAGE_SECONDS.labels(name, "features").observe(fetched - decoded)
-            metrics.STAGE_SECONDS.labels(name, "inference").observe(inferred - fetched)
-            metrics.STAGE_SECONDS.labels(name, "encode").observe(encoded - inferred)
-        else:
-            encoded = time.perf_counter()
-
+        encoded = time.perf_counter()
         await self._publisher.publish(outcomes)
         published = time.perf_counter()
 
-        metrics.STAGE_SECONDS.labels(name, "decode").observe(decoded - started)
+        metrics.STAGE_SECONDS.labels(name, "encode").observe(encoded - started)
         metrics.STAGE_SECONDS.labels(name, "publish").observe(published - encoded)
-        metrics.BATCH_SIZE.labels(name).observe(len(records))
+        metrics.BATCH_SIZE.labels(name).observe(len(prepared.records))
         now_ms = time.time() * 1000
-        for record in records:
+        for record in prepared.records:
             metrics.END_TO_END_SECONDS.labels(name).observe(
                 max(0.0, now_ms - record.timestamp_ms) / 1000
             )
-        dead = len(records) - len(events)
-        metrics.EVENTS.labels(name, "prediction").inc(len(events))
+        dead = len(prepared.records) - len(prepared.events)
+        metrics.EVENTS.labels(name, "prediction").inc(len(prepared.events))
         metrics.EVENTS.labels(name, "dead_letter").inc(dead)
-        return BatchOutcome(predictions=len(events), dead_letters=dead)
+        return BatchOutcome(predictions=len(prepared.events), dead_letters=dead)
 
     def _assemble(self, events: list[dict[str, Any]], rows: FeatureRows) -> np.ndarray:
         """The float32 model input; NaN (missing store values) becomes the model's default."""
@@ -138,19 +169,14 @@ class Pipeline:
             matrix[missing] = np.broadcast_to(self._defaults, matrix.shape)[missing]
         return matrix
 
-    def _encode(
-        self,
-        records: list[InputRecord],
-        events: list[dict[str, Any]],
-        rows: FeatureRows,
-        scores: np.ndarray,
-        timings: dict[str, int],
-    ) -> list[OutRecord]:
-        meta = self._model.metadata
+    def _encode(self, prepared: Prepared, scores: np.ndarray) -> list[OutRecord]:
+        meta = self.model.metadata
+        timings = prepared.timings
         out = []
         for record, event, missing, score in zip(
-            records, events, rows.missing_views, scores.tolist(), strict=True
-        ):
+            prepared.scored, prepared.events, prepared.rows.missing_views, scores.tolist(),
+            strict=True,
+        ):  # fmt: skip
             for view in missing:
                 metrics.MISSING_FEATURES.labels(self.config.name, view).inc()
             value = self._encoder.encode(
@@ -175,11 +201,7 @@ class Pipeline:
 
     def _dead_letter(self, record: InputRecord, error: DecodeError) -> OutRecord:
         log.warning(
-            "dead-lettering %s[%d]@%d: %s",
-            record.topic,
-            record.partition,
-            record.offset,
-            error,
+            "dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, error
         )
         metrics.DEAD_LETTERS.labels(self.config.name, error.reason).inc()
         headers = [

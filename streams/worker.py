@@ -1,13 +1,16 @@
-"""The headrace worker: a Faust app with one batching agent per configured pipeline.
+"""The headrace worker: a Faust app with one agent per configured pipeline.
 
-Faust consumes (group membership, partitions, offsets); each agent hands raw-byte
-micro-batches to `Pipeline.process`, which writes every outcome before returning.
-Two Faust behaviours shape this module (see DESIGN.md, known traps):
+Faust consumes (group membership, partitions, committing acked offsets); each agent
+hands raw-byte records to its pipeline's `PipelineRunner`, which batches, overlaps
+the stages and acknowledges each record once its outcome is written. Faust
+behaviours that shape this module (DESIGN.md, known traps):
 
-- `take_events` acks a batch in a `finally`, so also when the agent is cancelled
-  during shutdown or raises. A batch in progress is therefore finished before the
-  cancellation goes on, and a batch that cannot be finished ends the process at once
-  (`os._exit`), so that nothing unwritten is ever committed. Kafka replays it on restart.
+- `take_events` acks every event of a chunk when the loop resumes, and also in a
+  `finally` on cancellation. Each event's message therefore gets one extra reference
+  here (`incref`); Faust's ack only drops that to one, and the runner's ack after
+  publishing drops it to zero, which is when Faust may commit the offset.
+- A batch that cannot be written ends the process at once (`os._exit`), so nothing
+  unwritten is ever committed; Kafka replays it to the next worker.
 - Faust's own `concurrency` must stay 1 per agent: more can commit past unprocessed offsets.
 """
 
@@ -17,49 +20,50 @@ import asyncio
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from contextlib import ExitStack
+from typing import NoReturn
 
 import faust
 
-from features.errors import FeatureStoreError
 from features.lookup import FeatureLookup
 from features.store import open_store
 from infra.topics import ensure_topics
-from models.errors import ModelError
-from models.session import ModelSession
+from models.pool import SessionPool, warmup_sizes
 from schemas.catalogue import load_schema, open_catalogue
 from schemas.codec import AvroDecoder, AvroEncoder
-from schemas.errors import RegistryError
 from streams import metrics
+from streams.batching import BatchPolicy, ServiceTimes
 from streams.config import HeadraceConfig, PipelineConfig
-from streams.errors import ConfigError, PublishError
+from streams.errors import ConfigError
+from streams.flow import InFlight
 from streams.pipeline import InputRecord, Pipeline
 from streams.publisher import Publisher
+from streams.runner import PipelineRunner
 
 log = logging.getLogger(__name__)
 
 # Exit status of a worker that stopped because a batch could not be written.
 EXIT_BATCH_FAILED = 70
-RETRY_DELAYS_S = (0.1, 0.3, 1.0, 3.0, 10.0)
-_TRANSIENT = (FeatureStoreError, ModelError, PublishError, RegistryError)
 
 
 def build_pipelines(
     config: HeadraceConfig, publisher: Publisher, resources: ExitStack
 ) -> list[Pipeline]:
-    """Open store, models and codecs for every pipeline; blocks while models warm up."""
+    """Open store, model pools and codecs for every pipeline; blocks while models warm up."""
     catalogue = open_catalogue(config.registry.url if config.registry else None)
     store = open_store(config.features.repo_path)
     event_fields = [f["name"] for f in load_schema("transaction.avsc")["fields"]]
     pipelines = []
     for spec in config.pipelines:
-        model = ModelSession(
+        pool = SessionPool(
             spec.model.path,
-            spec.model.device,
-            spec.model.intra_op_threads,
-            warmup_batch_sizes=(1, spec.max_batch_size),
+            cpu_sessions=spec.model.cpu_sessions,
+            cuda_sessions=spec.model.cuda_sessions,
+            intra_op_threads=spec.model.intra_op_threads,
+            batch_sizes=warmup_sizes(spec.max_batch_size),
         )
-        resources.callback(model.close)
+        resources.callback(pool.close)
         lookup = FeatureLookup(store, spec.feature_service, spec.entity_fields)
         resources.callback(lookup.close)
         pipelines.append(
@@ -68,21 +72,49 @@ def build_pipelines(
                 AvroDecoder(catalogue, "transaction.avsc"),
                 AvroEncoder(catalogue, "prediction.avsc", f"{spec.output_topic}-value"),
                 lookup,
-                model,
+                pool,
                 publisher,
                 event_fields,
             )
         )
         log.info(
-            "pipeline %s: %s -> %s, model %s v%s on %s",
+            "pipeline %s: %s -> %s, model %s v%s, sessions %s",
             spec.name,
             spec.input_topic,
             spec.output_topic,
-            model.metadata.name,
-            model.metadata.version,
-            model.providers,
+            pool.metadata.name,
+            pool.metadata.version,
+            pool.providers,
         )
     return pipelines
+
+
+def batch_policy(spec: PipelineConfig) -> BatchPolicy:
+    return BatchPolicy(
+        max_batch_size=spec.max_batch_size,
+        max_wait_s=spec.max_wait_ms / 1000,
+        latency_budget_s=spec.latency_budget_ms / 1000,
+        adaptive=spec.batching == "adaptive",
+        stage_times=ServiceTimes(),
+        completion_times=ServiceTimes(),
+    )
+
+
+def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoReturn:
+    """Log the batch that could not be written and end the process without committing it."""
+    first = records[0]
+    log.critical(
+        "giving up on a batch of %d from %s[%d]@%d: %r. Exiting without committing it; "
+        "a restarted worker answers it again.",
+        len(records),
+        first.topic,
+        first.partition,
+        first.offset,
+        error,
+        exc_info=error,
+    )
+    logging.shutdown()
+    os._exit(EXIT_BATCH_FAILED)
 
 
 def build_app(config: HeadraceConfig, pipelines: list[Pipeline]) -> faust.App:
@@ -111,19 +143,45 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
         key_serializer="raw",
         value_serializer="raw",
     )
-    # take_events with no timeout may stall; 0 ms still waits for what is already buffered.
-    within_s = max(spec.max_wait_ms, 0.1) / 1000
+
+    def partitions():
+        return {tp for tp in app.consumer.assignment() if tp.topic == spec.input_topic}
+
+    in_flight = InFlight(
+        spec.name,
+        high=spec.max_in_flight,
+        low=spec.resume_at,
+        pause=lambda: app.consumer.pause_partitions(partitions()),
+        resume=lambda: app.consumer.resume_partitions(partitions()),
+    )
+    runner = PipelineRunner(
+        pipeline,
+        batch_policy(spec),
+        in_flight,
+        exit_on_fatal,
+        concurrent_inference=spec.model.cpu_sessions + spec.model.cuda_sessions,
+    )
 
     async def consume(stream) -> None:
-        async for events in stream.take_events(spec.max_batch_size, within=within_s):
-            records = [_input_record(event.message) for event in events]
-            batch = asyncio.ensure_future(_process_or_exit(pipeline, records))
-            try:
-                await asyncio.shield(batch)
-            except asyncio.CancelledError:
-                # Shutting down: finish writing this batch before take_events acks it.
-                await batch
-                raise
+        await runner.start()
+        try:
+            # Small chunks, handed over at once: the runner's batcher decides batching.
+            async for events in stream.take_events(spec.max_batch_size, within=0.001):
+                for event in events:
+                    event.message.incref()
+                runner.submit(
+                    [_input_record(event.message) for event in events],
+                    [event.ack for event in events],
+                )
+                # Partitions are paused at the bound; this also stops pulling what
+                # Faust had already fetched.
+                await in_flight.wait_below(spec.max_in_flight)
+        except asyncio.CancelledError:
+            # Shutting down: write and ack what was taken before Faust commits.
+            await runner.drain()
+            raise
+        finally:
+            await runner.stop()
 
     app.agent(topic, name=f"headrace.{spec.name}", concurrency=1)(consume)
 
@@ -138,39 +196,6 @@ def _input_record(message) -> InputRecord:
         key=message.key,
         value=message.value,
     )
-
-
-async def _process_or_exit(pipeline: Pipeline, records: list[InputRecord]) -> None:
-    """Process a batch, retrying store, model and Kafka errors; exit the process if it fails."""
-    name = pipeline.config.name
-    for attempt, delay_s in enumerate((*RETRY_DELAYS_S, None), start=1):
-        try:
-            await pipeline.process(records)
-            return
-        except _TRANSIENT as exc:
-            if delay_s is None:
-                failure: BaseException = exc
-                break
-            log.warning("pipeline %s: batch attempt %d failed (%s); retrying", name, attempt, exc)
-            metrics.RETRIES.labels(name).inc()
-            await asyncio.sleep(delay_s)
-        except Exception as exc:  # a bug: never ack what it may have skipped
-            failure = exc
-            break
-    first = records[0]
-    log.critical(
-        "pipeline %s: giving up on a batch of %d from %s[%d]@%d: %r. Exiting without "
-        "committing it; a restarted worker reprocesses it.",
-        name,
-        len(records),
-        first.topic,
-        first.partition,
-        first.offset,
-        failure,
-        exc_info=failure,
-    )
-    logging.shutdown()
-    os._exit(EXIT_BATCH_FAILED)
 
 
 def check_topics(config: HeadraceConfig) -> None:
@@ -203,7 +228,7 @@ def create_topics(config: HeadraceConfig, partitions: int) -> list[str]:
 
 
 def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
-    """Run until SIGTERM or SIGINT; on a clean stop every acked batch is committed."""
+    """Run until SIGTERM or SIGINT; on a clean stop every answered input is committed."""
     check_topics(config)
     with ExitStack() as resources:
         publisher = Publisher(config.broker.bootstrap_servers)

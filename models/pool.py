@@ -1,0 +1,98 @@
+"""A pool of ONNX sessions: several CPU sessions (and CUDA ones where usable), each
+running on its own thread, with each batch routed to the session expected to finish
+it first from its queue and its measured service time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from models.errors import ModelError
+from models.session import ModelMetadata, ModelSession
+
+_EWMA = 0.2
+
+
+def warmup_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """Every size up to 128 (what a light-load batcher emits), then powers of two and the max."""
+    sizes = set(range(1, min(max_batch_size, 128) + 1))
+    sizes.update(2**i for i in range(8, 13) if 2**i <= max_batch_size)
+    sizes.add(max_batch_size)
+    return tuple(sorted(sizes))
+
+
+class _Member:
+    def __init__(self, session: ModelSession) -> None:
+        self.session = session
+        self.outstanding = 0
+        self.seconds_per_row: float | None = None
+        self.overhead_s: float | None = None
+
+    def expected_finish_s(self, rows: int) -> float:
+        if self.seconds_per_row is None or self.overhead_s is None:
+            return float(self.outstanding)  # unmeasured: spread by queue length
+        one = self.overhead_s + self.seconds_per_row * rows
+        return (self.outstanding + 1) * one
+
+    def observe(self, rows: int, seconds: float) -> None:
+        # A crude split into fixed and per-row cost, good enough to compare devices.
+        per_row = seconds / max(rows, 1)
+        if self.seconds_per_row is None:
+            self.seconds_per_row, self.overhead_s = per_row, seconds / 2
+        else:
+            self.seconds_per_row += _EWMA * (per_row - self.seconds_per_row)
+            self.overhead_s += _EWMA * (seconds - self.seconds_per_row * rows - self.overhead_s)
+
+
+class SessionPool:
+    """`await predict(matrix)` on the session that should finish first. Call `close()`.
+
+    Sessions are created and warmed up (at every size in `batch_sizes`) before the
+    constructor returns; it blocks for that long.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        cpu_sessions: int = 1,
+        cuda_sessions: int = 0,
+        intra_op_threads: int = 1,
+        batch_sizes: tuple[int, ...] = (1,),
+    ) -> None:
+        if cpu_sessions + cuda_sessions < 1:
+            raise ModelError("a session pool needs at least one session")
+        self._members: list[_Member] = []
+        try:
+            for device, count in (("cuda", cuda_sessions), ("cpu", cpu_sessions)):
+                for _ in range(count):
+                    session = ModelSession(path, device, intra_op_threads, batch_sizes)
+                    self._members.append(_Member(session))
+        except Exception:
+            self.close()
+            raise
+        self.metadata: ModelMetadata = self._members[0].session.metadata
+
+    @property
+    def providers(self) -> list[list[str]]:
+        """The providers each session really got (CUDA requests may have fallen back)."""
+        return [m.session.providers for m in self._members]
+
+    async def predict(self, matrix: np.ndarray) -> np.ndarray:
+        rows = matrix.shape[0]
+        member = min(self._members, key=lambda m: m.expected_finish_s(rows))
+        member.outstanding += 1
+        try:
+            scores, seconds = await member.session.predict_timed(matrix)
+        finally:
+            member.outstanding -= 1
+        member.observe(rows, seconds)
+        return scores
+
+    def predict_blocking(self, matrix: np.ndarray) -> np.ndarray:
+        return self._members[0].session.predict(matrix)
+
+    def close(self) -> None:
+        for member in self._members:
+            member.session.close()

@@ -1,0 +1,155 @@
+"""Runs one pipeline's batches through overlapping stages, bounded and in order.
+
+    consumer ──submit──► MicroBatcher ──► prepare ──► infer ──► publish ──► ack
+                          (in-flight bound: pause fetching at `high`, resume at `low`)
+
+While batch k is in the model, batch k+1 reads its features and batch k-1 is being
+published. Batches leave every stage in the order they entered, so outputs keep the
+order of their inputs per key, and acknowledgements happen in offset order per
+partition, each only after its outcome is acknowledged by Kafka.
+
+A stage error that retries cannot fix ends the process (`on_fatal`): nothing that was
+not written is ever acknowledged, and a restarted worker answers it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import numpy as np
+
+from features.errors import FeatureStoreError
+from models.errors import ModelError
+from schemas.errors import RegistryError
+from streams import metrics
+from streams.batching import BatchPolicy, MicroBatcher
+from streams.errors import PublishError
+from streams.flow import InFlight
+from streams.pipeline import InputRecord, Pipeline, Prepared
+
+log = logging.getLogger(__name__)
+
+RETRY_DELAYS_S = (0.1, 0.3, 1.0, 3.0, 10.0)
+TRANSIENT = (FeatureStoreError, ModelError, PublishError, RegistryError)
+
+Ack = Callable[[], Any]
+
+
+@dataclass
+class _Batch:
+    records: list[InputRecord]
+    acks: list[Ack]
+    released: float = field(default_factory=time.monotonic)
+
+
+class PipelineRunner:
+    """Owns the batcher and the stage tasks of one pipeline. `start()`, `submit()`,
+    then `drain()` and `stop()` (both safe twice)."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        policy: BatchPolicy,
+        in_flight: InFlight,
+        on_fatal: Callable[[BaseException, Sequence[InputRecord]], NoReturn],
+        concurrent_inference: int = 1,
+    ) -> None:
+        self.pipeline = pipeline
+        self.policy = policy
+        self.in_flight = in_flight
+        self._on_fatal = on_fatal
+        self._name = pipeline.config.name
+        self._budget_s = pipeline.config.latency_budget_ms / 1000
+        self._batcher: MicroBatcher[tuple[InputRecord, Ack]] = MicroBatcher(policy)
+        self._to_infer: asyncio.Queue = asyncio.Queue(maxsize=1)
+        self._to_publish: asyncio.Queue = asyncio.Queue(maxsize=concurrent_inference)
+        self._tasks: list[asyncio.Task] = []
+
+    def submit(self, records: Sequence[InputRecord], acks: Sequence[Ack]) -> None:
+        """Hand consumed records over; each `ack` is called once its outcome is written."""
+        self.in_flight.add(len(records))
+        deadlines = [r.timestamp_ms / 1000 + self._budget_s for r in records]
+        self._batcher.put(list(zip(records, acks, strict=True)), deadlines)
+
+    async def start(self) -> None:
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self._release(), name=f"{self._name}-release"),
+                asyncio.create_task(self._infer(), name=f"{self._name}-infer"),
+                asyncio.create_task(self._publish(), name=f"{self._name}-publish"),
+            ]
+
+    async def drain(self) -> None:
+        """Release everything pending and wait until every submitted record is acked."""
+        self._batcher.flush()
+        await self.in_flight.wait_below(1)
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # Stages ---------------------------------------------------------------------
+
+    async def _release(self) -> None:
+        while True:
+            items = await self._batcher.next_batch()
+            metrics.BATCH_TARGET.labels(self._name).set(self.policy.target_size(0))
+            batch = _Batch([record for record, _ in items], [ack for _, ack in items])
+            prepare = asyncio.create_task(
+                self._retrying(batch, "features", self.pipeline.prepare, batch.records)
+            )
+            await self._to_infer.put((batch, prepare, time.monotonic()))
+
+    async def _infer(self) -> None:
+        while True:
+            batch, prepare, queued = await self._to_infer.get()
+            prepared: Prepared = await prepare
+            metrics.QUEUE_SECONDS.labels(self._name, "inference").observe(time.monotonic() - queued)
+            scores = asyncio.create_task(
+                self._retrying(batch, "inference", self.pipeline.infer, prepared)
+            )
+            await self._to_publish.put((batch, prepared, scores, time.monotonic()))
+
+    async def _publish(self) -> None:
+        while True:
+            batch, prepared, scores_task, queued = await self._to_publish.get()
+            scores: np.ndarray = await scores_task
+            metrics.QUEUE_SECONDS.labels(self._name, "publish").observe(time.monotonic() - queued)
+            started = time.monotonic()
+            await self._retrying(batch, "publish", self.pipeline.publish, prepared, scores)
+            for ack in batch.acks:
+                ack()
+            done = time.monotonic()
+            size = len(batch.records)
+            timings = prepared.timings
+            slowest_us = max(
+                timings["decode_us"] + timings["features_us"],
+                timings.get("inference_us", 0),
+                (done - started) * 1_000_000,
+            )
+            self.policy.stage_times.observe(size, slowest_us / 1_000_000)
+            self.policy.completion_times.observe(size, done - batch.released)
+            await self.in_flight.done(size)
+
+    async def _retrying(self, batch: _Batch, stage: str, step: Callable[..., Awaitable], *args):
+        for attempt, delay_s in enumerate((*RETRY_DELAYS_S, None), start=1):
+            try:
+                return await step(*args)
+            except TRANSIENT as exc:
+                if delay_s is None:
+                    self._on_fatal(exc, batch.records)
+                log.warning(
+                    "pipeline %s: %s of a batch failed (attempt %d: %s); retrying",
+                    self._name, stage, attempt, exc,
+                )  # fmt: skip
+                metrics.RETRIES.labels(self._name).inc()
+                await asyncio.sleep(delay_s)
+            except Exception as exc:  # a bug: never ack what it may have skipped
+                self._on_fatal(exc, batch.records)
