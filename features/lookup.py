@@ -1,21 +1,27 @@
-"""Online feature reads for micro-batches: one deduplicated Feast read per batch, off the loop.
+"""Online feature reads for micro-batches: a TTL-honest cache in front of a direct
+store read, off the event loop.
 
-Feast answers a missing entity with `None` values; that is not an error here. The
-lookup reports, per event, which views had no row, and leaves NaN in their columns
-for the pipeline's missing-feature policy (the model's defaults) to fill.
+Per batch and per view: the distinct entity keys are looked up in the cache; the
+misses are read from the online store in one call; rows older than the view's TTL
+(Feast would still serve them) and absent entities are reported as missing, with
+NaN in their columns for the pipeline's missing-feature policy (the model's defaults).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from features import metrics
+from features.cache import FeatureCache
 from features.errors import FeatureStoreError
+from features.online_read import OnlineViewReader
 
 
 @dataclass(frozen=True)
@@ -25,75 +31,122 @@ class FeatureRows:
     columns: dict[str, np.ndarray]
     """Feature reference (`view__feature`) to float64 values, NaN where missing."""
     missing_views: list[tuple[str, ...]]
-    """Per event, the views that had no row for its entity key."""
+    """Per event, the views that had no usable row (absent, expired or null values)."""
     unique_keys: int
-    """Distinct entity keys read from the store (the batch's deduplicated read size)."""
+    """Distinct (view, entity key) pairs the batch needed."""
+    store_reads: int = 0
+    """Of those, how many were read from the store (cache misses)."""
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    max_entries: int = 100_000
+    """Rows kept per view; 0 turns the cache off."""
+    max_staleness_s: float = 30.0
+    """How long a cached row may be served before it is read from the store again."""
 
 
 class FeatureLookup:
     """Reads a feature service for batches of events.
 
     `entity_fields` maps each entity join key to the event field that carries it.
-    `fetch` runs the blocking Feast read on one thread owned by this object; call
-    `close()` when done.
+    `fetch` runs the blocking work on one thread owned by this object (the cache is
+    only touched there); call `close()` when done.
     """
 
-    def __init__(self, store: Any, feature_service: str, entity_fields: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        feature_service: str,
+        entity_fields: Mapping[str, str],
+        cache: CacheSettings = CacheSettings(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         try:
-            self._service = store.get_feature_service(feature_service)
+            service = store.get_feature_service(feature_service)
         except Exception as exc:
             raise FeatureStoreError(
                 f"feature service {feature_service!r} is not registered in the Feast repo "
                 f"at {store.repo_path}; hint: run `headrace features prepare`"
             ) from exc
-        self._store = store
-        self._entity_fields = dict(entity_fields)
-        self.feature_refs: list[str] = [
-            f"{projection.name_to_use()}__{feature.name}"
-            for projection in self._service.feature_view_projections
-            for feature in projection.features
-        ]
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="feast-read")
+        self._clock = clock
+        self._views: list[tuple[OnlineViewReader, list[str], FeatureCache]] = []
+        self.feature_refs: list[str] = []
+        for projection in service.feature_view_projections:
+            names = [feature.name for feature in projection.features]
+            reader = OnlineViewReader(store, projection.name, names)
+            missing = [key for key in reader.join_keys if key not in entity_fields]
+            if missing:
+                raise FeatureStoreError(
+                    f"view {projection.name!r} is keyed by {reader.join_keys}, but the "
+                    f"pipeline's entity_fields map only {sorted(entity_fields)}; "
+                    f"hint: add {missing} to entity_fields"
+                )
+            fields = [entity_fields[key] for key in reader.join_keys]
+            view_cache = FeatureCache(cache.max_entries, cache.max_staleness_s, clock)
+            self._views.append((reader, fields, view_cache))
+            self.feature_refs += [f"{projection.name_to_use()}__{name}" for name in names]
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="feature-read")
 
     async def fetch(self, events: Sequence[Mapping[str, Any]]) -> FeatureRows:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.read, events)
 
     def read(self, events: Sequence[Mapping[str, Any]]) -> FeatureRows:
-        """Blocking read of the features of `events`, one store call for the distinct keys."""
-        join_keys = list(self._entity_fields)
-        event_fields = list(self._entity_fields.values())
-        slot_of: dict[tuple, int] = {}
-        slots = np.empty(len(events), dtype=np.intp)
-        for row, event in enumerate(events):
-            key = tuple(event[field] for field in event_fields)
-            slots[row] = slot_of.setdefault(key, len(slot_of))
-        if not events:
-            return FeatureRows({ref: np.empty(0) for ref in self.feature_refs}, [], 0)
-
-        entity_rows = [dict(zip(join_keys, key, strict=True)) for key in slot_of]
-        try:
-            response = self._store.get_online_features(
-                features=self._service, entity_rows=entity_rows, full_feature_names=True
-            ).to_dict()
-        except Exception as exc:
-            raise FeatureStoreError(
-                f"Feast online read of {len(entity_rows)} keys failed: {exc}"
-            ) from exc
-
+        """Blocking: features of `events`, one store read per view for the cache misses."""
         columns: dict[str, np.ndarray] = {}
-        missing_by_slot = [[] for _ in slot_of]
-        for ref in self.feature_refs:
-            values = np.array(
-                [np.nan if value is None else value for value in response[ref]], dtype=np.float64
+        missing: list[list[str]] = [[] for _ in events]
+        unique_total = 0
+        reads_total = 0
+        for reader, fields, cache in self._views:
+            view = reader.view.name
+            slot_of: dict[tuple, int] = {}
+            slots = np.fromiter(
+                (slot_of.setdefault(tuple(e[f] for f in fields), len(slot_of)) for e in events),
+                dtype=np.intp,
+                count=len(events),
             )
-            columns[ref] = values[slots]
-            view = ref.split("__", 1)[0]
-            for slot in np.flatnonzero(np.isnan(values)):
-                if view not in missing_by_slot[slot]:
-                    missing_by_slot[slot].append(view)
-        missing = [tuple(missing_by_slot[slot]) for slot in slots]
-        return FeatureRows(columns, missing, len(slot_of))
+            values, stale_reads = self._view_rows(reader, cache, list(slot_of))
+            unique_total += len(slot_of)
+            reads_total += stale_reads
+            for column, name in enumerate(reader.features):
+                columns[f"{view}__{name}"] = values[slots, column]
+            for row in np.flatnonzero(np.isnan(values[slots]).any(axis=1)):
+                missing[row].append(view)
+        return FeatureRows(columns, [tuple(m) for m in missing], unique_total, reads_total)
+
+    def _view_rows(
+        self, reader: OnlineViewReader, cache: FeatureCache, keys: list[tuple]
+    ) -> tuple[np.ndarray, int]:
+        """(keys, features) values with expired rows blanked, and how many were read."""
+        view = reader.view.name
+        values = np.empty((len(keys), len(reader.features)))
+        stamps = np.empty(len(keys))
+        misses = []
+        for index, key in enumerate(keys):
+            cached = cache.get(key)
+            if cached is None:
+                misses.append(index)
+                continue
+            values[index], stamps[index], staleness_s = cached
+            metrics.SERVED_STALENESS_SECONDS.labels(view).observe(staleness_s)
+        metrics.CACHE_HITS.labels(view).inc(len(keys) - len(misses))
+        if misses:
+            metrics.CACHE_MISSES.labels(view).inc(len(misses))
+            started = time.perf_counter()
+            fresh = reader.read([keys[i] for i in misses])
+            metrics.STORE_READ_SECONDS.labels(view).observe(time.perf_counter() - started)
+            evicted = cache.evictions
+            for row, index in enumerate(misses):
+                values[index], stamps[index] = fresh.values[row], fresh.event_ts_s[row]
+                cache.put(keys[index], fresh.values[row].copy(), fresh.event_ts_s[row])
+            metrics.CACHE_EVICTIONS.labels(view).inc(cache.evictions - evicted)
+        if reader.ttl_s is not None:
+            expired = self._clock() - stamps > reader.ttl_s
+            if expired.any():
+                metrics.EXPIRED.labels(view).inc(int(expired.sum()))
+                values[expired] = np.nan
+        return values, len(misses)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -70,6 +70,13 @@ class ModelConfig(_Frozen):
         return self
 
 
+class FeatureCacheConfig(_Frozen):
+    max_entries: int = Field(100_000, ge=0, le=100_000_000)
+    """Rows kept per feature view (LRU); 0 turns the cache off."""
+    max_staleness_s: float = Field(30.0, ge=0, le=86_400)
+    """How long a cached row is served before it is read from the store again."""
+
+
 class PipelineConfig(_Frozen):
     name: str = Field(pattern=_NAME)
     input_topic: str = Field(pattern=_NAME)
@@ -78,6 +85,7 @@ class PipelineConfig(_Frozen):
     feature_service: str = Field(min_length=1)
     entity_fields: dict[str, str] = Field(min_length=1)
     """Feast join key -> the event field that carries it."""
+    feature_cache: FeatureCacheConfig = FeatureCacheConfig()
     model: ModelConfig
     max_batch_size: int = Field(64, ge=1, le=4096)
     """Most events in one micro-batch (one Feast read, one ONNX run)."""

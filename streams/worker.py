@@ -26,7 +26,7 @@ from typing import NoReturn
 
 import faust
 
-from features.lookup import FeatureLookup
+from features.lookup import CacheSettings, FeatureLookup
 from features.store import open_store
 from infra.topics import ensure_topics
 from models.pool import SessionPool, warmup_sizes
@@ -64,7 +64,12 @@ def build_pipelines(
             batch_sizes=warmup_sizes(spec.max_batch_size),
         )
         resources.callback(pool.close)
-        lookup = FeatureLookup(store, spec.feature_service, spec.entity_fields)
+        lookup = FeatureLookup(
+            store,
+            spec.feature_service,
+            spec.entity_fields,
+            CacheSettings(spec.feature_cache.max_entries, spec.feature_cache.max_staleness_s),
+        )
         resources.callback(lookup.close)
         pipelines.append(
             Pipeline(

@@ -1,0 +1,33 @@
+"""Prometheus metrics of the feature stage (served by the worker's `/metrics`)."""
+
+from prometheus_client import Counter, Histogram
+
+_SECONDS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+CACHE_HITS = Counter("headrace_feature_cache_hits", "Entity rows served from the cache.", ["view"])
+CACHE_MISSES = Counter(
+    "headrace_feature_cache_misses", "Entity rows read from the online store.", ["view"]
+)
+CACHE_EVICTIONS = Counter(
+    "headrace_feature_cache_evictions", "Rows evicted by the cache's size bound.", ["view"]
+)
+EXPIRED = Counter(
+    "headrace_feature_expired",
+    "Rows older than their view's TTL, treated as missing.",
+    ["view"],
+)
+STORE_READ_SECONDS = Histogram(
+    "headrace_feature_store_read_seconds",
+    "One online-store read of a batch's missing keys, per view.",
+    ["view"],
+    buckets=_SECONDS,
+)
+SERVED_STALENESS_SECONDS = Histogram(
+    "headrace_feature_served_staleness_seconds",
+    "How long ago the served feature rows were read from the store.",
+    ["view"],
+    buckets=(0.0, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+)

@@ -1,0 +1,110 @@
+"""The direct store read and the cached lookup against Feast's own `get_online_features`."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from features.lookup import CacheSettings, FeatureLookup
+from features.online_read import OnlineViewReader
+from features.store import open_store
+
+ENTITY_FIELDS = {"user_id": "user_id", "merchant_id": "merchant_id"}
+USER_FEATURES = ["txn_count_7d", "avg_amount_7d", "chargeback_rate_90d", "account_age_days"]
+# Written with an old feature timestamp: Feast still serves it, its TTL says it expired.
+EXPIRED_USER = "u-expired"
+
+
+@pytest.fixture(scope="module")
+def store(sample_assets):
+    store = open_store(sample_assets.repo)
+    old = datetime.now(UTC) - timedelta(days=30)
+    store.write_to_online_store(
+        "user_stats",
+        pd.DataFrame(
+            {
+                "user_id": [EXPIRED_USER],
+                "txn_count_7d": [3],
+                "avg_amount_7d": [12.5],
+                "chargeback_rate_90d": [0.25],
+                "account_age_days": [40],
+                "event_timestamp": [old],
+            }
+        ),
+    )
+    return store
+
+
+def sdk_values(store, users: list[str]) -> np.ndarray:
+    response = store.get_online_features(
+        features=[f"user_stats:{name}" for name in USER_FEATURES],
+        entity_rows=[{"user_id": user} for user in users],
+    ).to_dict()
+    return np.array(
+        [[np.nan if v is None else v for v in response[name]] for name in USER_FEATURES],
+        dtype=np.float64,
+    ).T
+
+
+def test_direct_read_equals_get_online_features(store):
+    users = ["u0000001", "u0000002", "nobody", EXPIRED_USER, "u0000001"]
+    reader = OnlineViewReader(store, "user_stats", USER_FEATURES)
+    rows = reader.read([(user,) for user in users])
+    np.testing.assert_allclose(rows.values, sdk_values(store, users), rtol=1e-6, equal_nan=True)
+    assert np.isnan(rows.event_ts_s[2])  # absent entity: no timestamp either
+    assert rows.event_ts_s[3] < rows.event_ts_s[0]
+
+
+def test_lookup_treats_rows_past_their_ttl_as_missing(store):
+    lookup = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS)
+    try:
+        rows = lookup.read(
+            [
+                {"user_id": EXPIRED_USER, "merchant_id": "m000001"},
+                {"user_id": "u0000001", "merchant_id": "m000001"},
+            ]
+        )
+    finally:
+        lookup.close()
+    assert rows.missing_views == [("user_stats",), ()]
+    assert np.isnan(rows.columns["user_stats__avg_amount_7d"][0])
+    # Feast itself would have served the stale value.
+    assert sdk_values(store, [EXPIRED_USER])[0, 1] == pytest.approx(12.5)
+
+
+def test_lookup_equals_get_online_features_for_live_rows_and_caches_them(store):
+    lookup = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS, CacheSettings(1000, 60))
+    events = [{"user_id": f"u{i:07d}", "merchant_id": f"m{i % 7:06d}"} for i in range(40)]
+    events.append({"user_id": "nobody", "merchant_id": "nowhere"})
+    try:
+        first = lookup.read(events)
+        second = lookup.read(events)
+    finally:
+        lookup.close()
+    response = store.get_online_features(
+        features=store.get_feature_service("fraud_scoring"),
+        entity_rows=events,
+        full_feature_names=True,
+    ).to_dict()
+    for ref in lookup.feature_refs:
+        expected = np.array([np.nan if v is None else v for v in response[ref]], dtype=float)
+        np.testing.assert_allclose(first.columns[ref], expected, rtol=1e-6, equal_nan=True)
+        np.testing.assert_array_equal(second.columns[ref], first.columns[ref])
+    assert first.store_reads == first.unique_keys == 40 + 7 + 2
+    assert second.store_reads == 0
+    assert second.missing_views[-1] == ("user_stats", "merchant_stats")
+
+
+def test_every_row_expires_once_the_clock_passes_the_ttl(store):
+    now = datetime.now(UTC).timestamp()
+    lookup = FeatureLookup(
+        store, "fraud_scoring", ENTITY_FIELDS, clock=lambda: now + timedelta(days=3).total_seconds()
+    )
+    try:
+        rows = lookup.read([{"user_id": "u0000001", "merchant_id": "m000001"}])
+    finally:
+        lookup.close()
+    assert rows.missing_views == [("user_stats", "merchant_stats")]
