@@ -123,6 +123,9 @@ class MetricsConfig(_Frozen):
 class HeadraceConfig(_Frozen):
     app_id: str = Field("headrace", pattern=_NAME)
     """Faust app id; also the Kafka consumer group of the workers."""
+    runtime: Literal["faust", "bare"] = "faust"
+    """`faust`: Faust agents consume; `bare`: a confluent-kafka consumer feeds the same
+    batcher and stages without Faust (leaner; see the benchmark for the difference)."""
     broker: BrokerConfig = BrokerConfig()
     registry: RegistryConfig | None = None
     """Without a registry, schema ids resolve from the local catalogue in `schemas/`."""

@@ -7,6 +7,7 @@ few malformed ones) at a fixed rate, reads every outcome back and stops everythi
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -45,10 +46,12 @@ def sample_config(
     max_batch_size: int = 64,
     max_wait_ms: float = 2.0,
     latency_budget_ms: float = 100.0,
+    runtime: str = "faust",
 ) -> dict[str, Any]:
     """The sample fraud pipeline's config as a plain dict (what a YAML file would hold)."""
     config: dict[str, Any] = {
         "app_id": f"headrace{suffix}",
+        "runtime": runtime,
         "broker": {"bootstrap_servers": bootstrap_servers},
         "features": {"repo_path": str(repo_path)},
         "metrics": {"port": metrics_port},
@@ -85,12 +88,21 @@ def prepare_sample_assets(state_dir: Path, world: SampleWorld) -> tuple[Path, Pa
 
 
 def start_worker(config_file: Path, log_file: Path) -> subprocess.Popen:
+    return start_process(
+        ["-m", "streams.cli", "worker", "-c", str(config_file), "-l", "warn"], log_file
+    )
+
+
+def start_process(arguments: list[str], log_file: Path) -> subprocess.Popen:
+    """A Python child process logging to `log_file`, without Feast's metrics variables."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
     with open(log_file, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "streams.cli", "worker", "-c", str(config_file), "-l", "warn"],
+            [sys.executable, *arguments],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=environment,
         )
 
 

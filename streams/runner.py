@@ -37,13 +37,14 @@ log = logging.getLogger(__name__)
 RETRY_DELAYS_S = (0.1, 0.3, 1.0, 3.0, 10.0)
 TRANSIENT = (FeatureStoreError, ModelError, PublishError, RegistryError)
 
-Ack = Callable[[], Any]
+# Called once per written batch with the handles submitted with its records, in order.
+AckBatch = Callable[[list[Any]], None]
 
 
 @dataclass
 class _Batch:
     records: list[InputRecord]
-    acks: list[Ack]
+    handles: list[Any]
     released: float = field(default_factory=time.monotonic)
 
 
@@ -56,25 +57,27 @@ class PipelineRunner:
         pipeline: Pipeline,
         policy: BatchPolicy,
         in_flight: InFlight,
+        ack: AckBatch,
         on_fatal: Callable[[BaseException, Sequence[InputRecord]], NoReturn],
         concurrent_inference: int = 1,
     ) -> None:
         self.pipeline = pipeline
         self.policy = policy
         self.in_flight = in_flight
+        self._ack = ack
         self._on_fatal = on_fatal
         self._name = pipeline.config.name
         self._budget_s = pipeline.config.latency_budget_ms / 1000
-        self._batcher: MicroBatcher[tuple[InputRecord, Ack]] = MicroBatcher(policy)
+        self._batcher: MicroBatcher[tuple[InputRecord, Any]] = MicroBatcher(policy)
         self._to_infer: asyncio.Queue = asyncio.Queue(maxsize=1)
         self._to_publish: asyncio.Queue = asyncio.Queue(maxsize=concurrent_inference)
         self._tasks: list[asyncio.Task] = []
 
-    def submit(self, records: Sequence[InputRecord], acks: Sequence[Ack]) -> None:
-        """Hand consumed records over; each `ack` is called once its outcome is written."""
+    def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
+        """Hand consumed records over, each with the handle the ack callback receives."""
         self.in_flight.add(len(records))
         deadlines = [r.timestamp_ms / 1000 + self._budget_s for r in records]
-        self._batcher.put(list(zip(records, acks, strict=True)), deadlines)
+        self._batcher.put(list(zip(records, handles, strict=True)), deadlines)
 
     async def start(self) -> None:
         if not self._tasks:
@@ -83,6 +86,13 @@ class PipelineRunner:
                 asyncio.create_task(self._infer(), name=f"{self._name}-infer"),
                 asyncio.create_task(self._publish(), name=f"{self._name}-publish"),
             ]
+            for task in self._tasks:
+                task.add_done_callback(self._stage_ended)
+
+    def _stage_ended(self, task: asyncio.Task) -> None:
+        # A stage loop only ends by cancellation; anything else would stall the pipeline.
+        if not task.cancelled() and task.exception() is not None:
+            self._on_fatal(task.exception(), [])
 
     async def drain(self) -> None:
         """Release everything pending and wait until every submitted record is acked."""
@@ -101,7 +111,7 @@ class PipelineRunner:
         while True:
             items = await self._batcher.next_batch()
             metrics.BATCH_TARGET.labels(self._name).set(self.policy.target_size(0))
-            batch = _Batch([record for record, _ in items], [ack for _, ack in items])
+            batch = _Batch([record for record, _ in items], [handle for _, handle in items])
             prepare = asyncio.create_task(
                 self._retrying(batch, "features", self.pipeline.prepare, batch.records)
             )
@@ -124,8 +134,7 @@ class PipelineRunner:
             metrics.QUEUE_SECONDS.labels(self._name, "publish").observe(time.monotonic() - queued)
             started = time.monotonic()
             await self._retrying(batch, "publish", self.pipeline.publish, prepared, scores)
-            for ack in batch.acks:
-                ack()
+            self._ack(batch.handles)
             done = time.monotonic()
             size = len(batch.records)
             timings = prepared.timings

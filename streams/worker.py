@@ -39,7 +39,7 @@ from streams.errors import ConfigError
 from streams.flow import InFlight
 from streams.pipeline import InputRecord, Pipeline
 from streams.publisher import Publisher
-from streams.runner import PipelineRunner
+from streams.runner import AckBatch, PipelineRunner
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +105,28 @@ def batch_policy(spec: PipelineConfig) -> BatchPolicy:
     )
 
 
+def make_runner(pipeline: Pipeline, in_flight: InFlight, ack: AckBatch) -> PipelineRunner:
+    spec = pipeline.config
+    return PipelineRunner(
+        pipeline,
+        batch_policy(spec),
+        in_flight,
+        ack,
+        exit_on_fatal,
+        concurrent_inference=spec.model.cpu_sessions + spec.model.cuda_sessions,
+    )
+
+
 def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoReturn:
     """Log the batch that could not be written and end the process without committing it."""
-    first = records[0]
+    where = (
+        f" from {records[0].topic}[{records[0].partition}]@{records[0].offset}" if records else ""
+    )
     log.critical(
-        "giving up on a batch of %d from %s[%d]@%d: %r. Exiting without committing it; "
+        "giving up on a batch of %d%s: %r. Exiting without committing it; "
         "a restarted worker answers it again.",
         len(records),
-        first.topic,
-        first.partition,
-        first.offset,
+        where,
         error,
         exc_info=error,
     )
@@ -159,13 +171,7 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
         pause=lambda: app.consumer.pause_partitions(partitions()),
         resume=lambda: app.consumer.resume_partitions(partitions()),
     )
-    runner = PipelineRunner(
-        pipeline,
-        batch_policy(spec),
-        in_flight,
-        exit_on_fatal,
-        concurrent_inference=spec.model.cpu_sessions + spec.model.cuda_sessions,
-    )
+    runner = make_runner(pipeline, in_flight, _ack_events)
 
     async def consume(stream) -> None:
         await runner.start()
@@ -174,10 +180,7 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
             async for events in stream.take_events(spec.max_batch_size, within=0.001):
                 for event in events:
                     event.message.incref()
-                runner.submit(
-                    [_input_record(event.message) for event in events],
-                    [event.ack for event in events],
-                )
+                runner.submit([_input_record(event.message) for event in events], events)
                 # Partitions are paused at the bound; this also stops pulling what
                 # Faust had already fetched.
                 await in_flight.wait_below(spec.max_in_flight)
@@ -189,6 +192,12 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
             await runner.stop()
 
     app.agent(topic, name=f"headrace.{spec.name}", concurrency=1)(consume)
+
+
+def _ack_events(events: list) -> None:
+    # Drops the reference taken on receipt: Faust may now commit these offsets.
+    for event in events:
+        event.ack()
 
 
 def _input_record(message) -> InputRecord:
@@ -235,14 +244,22 @@ def create_topics(config: HeadraceConfig, partitions: int) -> list[str]:
 def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
     """Run until SIGTERM or SIGINT; on a clean stop every answered input is committed."""
     check_topics(config)
+    logging.getLogger().setLevel({"warn": "WARNING"}.get(log_level, log_level.upper()))
     with ExitStack() as resources:
         publisher = Publisher(config.broker.bootstrap_servers)
         publisher.start()
         resources.callback(publisher.stop)
         pipelines = build_pipelines(config, publisher, resources)
-        app = build_app(config, pipelines)
         metrics.serve_metrics(config.metrics.port)
-        log.info("headrace worker ready: %d pipeline(s)", len(pipelines))
+        log.info(
+            "headrace worker ready: %d pipeline(s), %s runtime", len(pipelines), config.runtime
+        )
+        if config.runtime == "bare":
+            from streams.bare import BareConsumer
+
+            asyncio.run(BareConsumer(config, pipelines, make_runner).serve())
+            return
+        app = build_app(config, pipelines)
         worker = faust.Worker(app, loglevel=log_level, quiet=True)
         try:
             worker.execute_from_commandline()

@@ -26,10 +26,12 @@ def verdicts(steps: list[StepResult], budget_ms: float) -> dict:
     """The issue's targets: throughput against naive, light-load latency against raw Kafka."""
     headrace = sustainable(steps, "headrace")
     naive = sustainable(steps, "naive")
+    bare = sustainable(steps, "bare")
     out: dict = {
         "budget_ms": budget_ms,
-        "sustainable_per_s": {"headrace": headrace, "naive": naive},
+        "sustainable_per_s": {"headrace": headrace, "bare": bare, "naive": naive},
         "throughput_ratio_vs_naive": headrace / naive if naive else None,
+        "bare_throughput_ratio_vs_naive": bare / naive if naive else None,
     }
     ours = {s.offered_per_s: s for s in steps if s.system == "headrace"}
     kafka = {s.offered_per_s: s for s in steps if s.system == "kafka"}
@@ -106,6 +108,8 @@ def _markdown(doc: dict) -> str:
             if v["throughput_ratio_vs_naive"]
             else " (no ratio: naive did not run or met the budget at no rate)."
         ),
+        f"- Without Faust (the same stages fed by a bare confluent-kafka consumer): "
+        f"{v['sustainable_per_s']['bare']:.0f}/s.",
     ]
     if "light_load" in v:
         light = v["light_load"]
@@ -128,17 +132,17 @@ def _markdown(doc: dict) -> str:
         )
     profiles = [s for s in doc["steps"] if s["profile"]]
     if profiles:
-        lines += ["", "## Worker profile (mean µs per event, from the worker's stage histograms)",
+        lines += ["", "## Worker profiles (mean µs per event, from the workers' stage histograms)",
                   "", "Queueing is the time from the Kafka timestamp to the batch entering the "
                   "pipeline: Kafka, Faust's consumer and the batcher's wait. Worker total runs "
                   "to Kafka's acknowledgement of the outcome.", "",
-                  "| offered/s | mean batch | queueing | decode | features | inference "
+                  "| runtime | offered/s | mean batch | queueing | decode | features | inference "
                   "| encode | publish | worker total |",
-                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for s in profiles:
             p = s["profile"]
             lines.append(
-                f"| {s['offered_per_s']:.0f} | {p['mean_batch_size']:.1f} | "
+                f"| {s['system']} | {s['offered_per_s']:.0f} | {p['mean_batch_size']:.1f} | "
                 f"{p['queueing_us']:.0f} | {p['decode_us']:.0f} | {p['features_us']:.0f} | "
                 f"{p['inference_us']:.0f} | {p['encode_us']:.0f} | {p['publish_us']:.0f} | "
                 f"{p['worker_total_us']:.0f} |"
@@ -162,7 +166,13 @@ def _plot(steps: list[StepResult], budget_ms: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 5))
-    for system, colour in (("headrace", "tab:blue"), ("naive", "tab:red"), ("kafka", "tab:gray")):
+    systems = (
+        ("headrace", "tab:blue"),
+        ("bare", "tab:green"),
+        ("naive", "tab:red"),
+        ("kafka", "tab:gray"),
+    )
+    for system, colour in systems:
         ours = [s for s in steps if s.system == system and s.latency.count]
         if not ours:
             continue

@@ -170,8 +170,11 @@ def test_scores_equal_the_model_run_offline_on_the_same_features(served, sample_
         model.close()
 
 
-def test_restart_resumes_from_committed_offsets_without_repeats(deploy, kafka, sample_assets):
-    deployment = deploy()
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_restart_resumes_from_committed_offsets_without_repeats(
+    deploy, kafka, sample_assets, runtime
+):
+    deployment = deploy(runtime=runtime)
     spec = deployment.spec
     first = produce_events(
         kafka.bootstrap_servers, spec.input_topic, sample_assets.world, 200, seed=5, prefix="first"

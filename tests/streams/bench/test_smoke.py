@@ -29,7 +29,7 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
     assert "## Verdicts" in paths["markdown"].read_text()
     report = json.loads(paths["json"].read_text())
     systems = {step["system"] for step in report["steps"]}
-    assert systems == {"headrace", "kafka", "naive"}
+    assert systems == {"headrace", "bare", "kafka", "naive"}
     for step in report["steps"]:
         assert step["measured"] > 0
         assert step["answered"] + step["unanswered"] == step["measured"]
@@ -38,9 +38,9 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
         assert latency["count"] == step["answered"]
         ordered = [latency[k] for k in ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms")]
         assert ordered == sorted(ordered)
-    headrace_steps = [s for s in report["steps"] if s["system"] == "headrace"]
+    headrace_steps = [s for s in report["steps"] if s["system"] in ("headrace", "bare")]
     assert all(s["profile"]["events"] > 0 for s in headrace_steps)
     assert report["onnx"][0]["batch_size"] == 1
     verdicts = report["verdicts"]
-    assert set(verdicts["sustainable_per_s"]) == {"headrace", "naive"}
+    assert set(verdicts["sustainable_per_s"]) == {"headrace", "bare", "naive"}
     assert report["machine"]["packages"]["headrace"]

@@ -1,0 +1,154 @@
+"""The bare runtime: the same runners fed by a confluent-kafka consumer, no Faust.
+
+One thread owns the consumer: it polls librdkafka (blocking, GIL released) and hands
+records to the event loop. Calls on the consumer from the loop thread can block
+behind a poll in progress, so acknowledgements (storing each partition's next
+offset, which librdkafka commits in the background and on close) and pause/resume
+are queued for that thread, which runs them between polls.
+It exists to measure what Faust costs and as a leaner choice (`runtime: bare`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import signal
+import threading
+from collections.abc import Callable
+
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+
+from streams.config import HeadraceConfig
+from streams.flow import InFlight
+from streams.pipeline import InputRecord, Pipeline
+from streams.runner import PipelineRunner
+
+log = logging.getLogger(__name__)
+
+
+class BareConsumer:
+    """Consumes the pipelines' input topics and dispatches records to their runners."""
+
+    def __init__(
+        self,
+        config: HeadraceConfig,
+        pipelines: list[Pipeline],
+        make_runner: Callable[[Pipeline, InFlight, Callable], PipelineRunner],
+    ) -> None:
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": config.broker.bootstrap_servers,
+                "group.id": config.app_id,
+                "auto.offset.reset": "earliest",
+                # Commit only what the runners acknowledged (stored), in the background.
+                "enable.auto.commit": True,
+                "enable.auto.offset.store": False,
+                "auto.commit.interval.ms": 1000,
+                # Bound librdkafka's own prefetch buffer too (KiB per partition).
+                "queued.max.messages.kbytes": 8192,
+            }
+        )
+        self._max_chunk = max(p.config.max_batch_size for p in pipelines)
+        self._runners: dict[str, PipelineRunner] = {}
+        for pipeline in pipelines:
+            topic = pipeline.config.input_topic
+            in_flight = InFlight(
+                pipeline.config.name,
+                high=pipeline.config.max_in_flight,
+                low=pipeline.config.resume_at,
+                pause=lambda topic=topic: self._set_paused(topic, True),
+                resume=lambda topic=topic: self._set_paused(topic, False),
+            )
+            self._runners[topic] = make_runner(pipeline, in_flight, self._store_offsets)
+        self._stopping = threading.Event()
+        # Consumer calls from the loop thread, run by the poll thread between polls.
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    async def serve(self) -> None:
+        """Run until SIGTERM or SIGINT, then drain every runner and commit."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        for runner in self._runners.values():
+            await runner.start()
+        self._consumer.subscribe(list(self._runners))
+        poller = threading.Thread(target=self._poll, args=(loop,), name="kafka-consumer")
+        poller.start()
+        try:
+            await stop.wait()
+        finally:
+            self._stopping.set()
+            await loop.run_in_executor(None, poller.join)
+            for runner in self._runners.values():
+                await runner.drain()
+                await runner.stop()
+            self._consumer.close()  # commits the stored offsets
+
+    def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
+        while not self._stopping.is_set():
+            self._run_queued_calls()
+            first = self._consumer.poll(0.05)
+            if first is None:
+                continue
+            # Take what is already here without waiting for more (no added latency).
+            messages = [first, *self._consumer.consume(self._max_chunk - 1, 0)]
+            loop.call_soon_threadsafe(self._dispatch, messages)
+        self._run_queued_calls()
+
+    def _run_queued_calls(self) -> None:
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            call()
+
+    def _dispatch(self, messages: list[Message]) -> None:
+        by_topic: dict[str, list[Message]] = {}
+        for message in messages:
+            if message.error():
+                log.warning("consumer error: %s", message.error())
+                continue
+            by_topic.setdefault(message.topic(), []).append(message)
+        for topic, batch in by_topic.items():
+            records = [_input_record(m) for m in batch]
+            self._runners[topic].submit(
+                records, [(r.topic, r.partition, r.offset) for r in records]
+            )
+
+    def _store_offsets(self, handles: list[tuple[str, int, int]]) -> None:
+        """Queue the next offset of each partition of a written batch (handles are in order)."""
+        latest: dict[tuple[str, int], int] = {}
+        for topic, partition, offset in handles:
+            latest[(topic, partition)] = offset
+        offsets = [TopicPartition(t, p, o + 1) for (t, p), o in latest.items()]
+
+        def store() -> None:
+            try:
+                self._consumer.store_offsets(offsets=offsets)
+            except KafkaException as exc:
+                # The partition was revoked meanwhile: its new owner answers these again.
+                log.warning("could not store offsets %s: %s", offsets, exc)
+
+        self._calls.put(store)
+
+    def _set_paused(self, topic: str, paused: bool) -> None:
+        def apply() -> None:
+            partitions = [tp for tp in self._consumer.assignment() if tp.topic == topic]
+            if partitions:
+                (self._consumer.pause if paused else self._consumer.resume)(partitions)
+
+        self._calls.put(apply)
+
+
+def _input_record(message: Message) -> InputRecord:
+    return InputRecord(
+        topic=message.topic(),
+        partition=message.partition(),
+        offset=message.offset(),
+        timestamp_ms=message.timestamp()[1],
+        key=message.key(),
+        value=message.value(),
+    )
