@@ -56,7 +56,8 @@ class OnlineViewReader:
                 config=self._store.config,
                 table=self.view,
                 entity_keys=protos,
-                requested_features=self.features,
+                # A copy: the Redis store appends to the list it is given.
+                requested_features=list(self.features),
             )
         except Exception as exc:
             raise FeatureStoreError(
@@ -67,12 +68,14 @@ class OnlineViewReader:
         for row, (event_ts, stored) in enumerate(rows):
             if stored is None:
                 continue
-            stamps[row] = _epoch_s(event_ts)
             for column, name in enumerate(self.features):
                 proto = stored.get(name)
                 kind = proto.WhichOneof("val") if proto is not None else None
                 if kind is not None and kind != "null_val":
                     values[row, column] = float(getattr(proto, kind))
+            # Redis answers an absent entity with empty values and a zero timestamp.
+            if not np.isnan(values[row]).all():
+                stamps[row] = _epoch_s(event_ts)
         return ViewRows(values, stamps)
 
     def _entity_keys(self, keys: Sequence[tuple]) -> list[EntityKeyProto]:

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from features.errors import FeatureStoreError
 from features.sample_data import SampleWorld
@@ -29,17 +30,31 @@ def open_store(repo_path: Path):
     return FeatureStore(repo_path=str(repo_path))
 
 
-def prepare_sample_store(repo_path: Path, world: SampleWorld) -> None:
+def write_repo_config(repo_path: Path, redis: str | None = None) -> None:
+    """feature_store.yaml in `repo_path`: the packaged one, or with a Redis online store
+    at `redis` (host:port) in place of SQLite."""
+    repo_path.mkdir(parents=True, exist_ok=True)
+    target = repo_path / "feature_store.yaml"
+    if redis is None:
+        if target.resolve() != (PACKAGED_REPO / "feature_store.yaml").resolve():
+            shutil.copy(PACKAGED_REPO / "feature_store.yaml", target)
+        return
+    config = yaml.safe_load((PACKAGED_REPO / "feature_store.yaml").read_text())
+    config["online_store"] = {"type": "redis", "connection_string": redis}
+    target.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def prepare_sample_store(repo_path: Path, world: SampleWorld, redis: str | None = None) -> None:
     """Write the sample world's statistics, register the definitions, materialize online.
 
     Blocks for a few seconds (parquet, SQLite or Redis writes). Safe to run again: it
-    overwrites the sample rows with fresh timestamps.
+    overwrites the sample rows with fresh timestamps. With `redis` (host:port) the
+    online store is Redis instead of SQLite.
     """
     from features.repo import definitions
 
-    repo_path.mkdir(parents=True, exist_ok=True)
-    if not (repo_path / "feature_store.yaml").exists():
-        shutil.copy(PACKAGED_REPO / "feature_store.yaml", repo_path / "feature_store.yaml")
+    if redis is not None or not (repo_path / "feature_store.yaml").exists():
+        write_repo_config(repo_path, redis)
     data = repo_path / "data"
     data.mkdir(exist_ok=True)
 

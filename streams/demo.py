@@ -47,6 +47,7 @@ def sample_config(
     max_wait_ms: float = 2.0,
     latency_budget_ms: float = 100.0,
     runtime: str = "faust",
+    max_in_flight: int = 2_000,
 ) -> dict[str, Any]:
     """The sample fraud pipeline's config as a plain dict (what a YAML file would hold)."""
     config: dict[str, Any] = {
@@ -65,6 +66,7 @@ def sample_config(
                 "entity_fields": {"user_id": "user_id", "merchant_id": "merchant_id"},
                 "model": {"path": str(model_path)},
                 "latency_budget_ms": latency_budget_ms,
+                "max_in_flight": max_in_flight,
                 "max_batch_size": max_batch_size,
                 "max_wait_ms": max_wait_ms,
             }

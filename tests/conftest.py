@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from features.sample_data import SampleWorld
+from features.store import prepare_sample_store
 from infra.kafka import KafkaBroker
 from infra.ports import free_port
+from infra.redis import RedisServer
 from infra.registry import SchemaRegistryServer
 from infra.topics import delete_topics
 from streams.config import HeadraceConfig
@@ -43,6 +45,22 @@ def registry(tmp_path_factory) -> Iterator[SchemaRegistryServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"), free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_repo(redis_server, sample_assets, tmp_path_factory) -> Path:
+    """The sample features materialized into a Feast repo whose online store is Redis."""
+    repo = tmp_path_factory.mktemp("redis-repo")
+    prepare_sample_store(repo, sample_assets.world, redis=redis_server.connection_string)
+    return repo
 
 
 @dataclass(frozen=True)
@@ -89,12 +107,17 @@ def deploy(kafka, sample_assets, tmp_path):
     """Factory: `deploy(**sample_config overrides)` creates topics and writes the config."""
     created: list[str] = []
 
-    def make(partitions: int = 3, **overrides) -> Deployment:
+    def make(
+        partitions: int = 3,
+        model_path: Path | None = None,
+        repo_path: Path | None = None,
+        **overrides,
+    ) -> Deployment:
         suffix = f"-{uuid.uuid4().hex[:8]}"
         raw = sample_config(
             kafka.bootstrap_servers,
-            sample_assets.repo,
-            sample_assets.model,
+            repo_path or sample_assets.repo,
+            model_path or sample_assets.model,
             suffix=suffix,
             **overrides,
         )

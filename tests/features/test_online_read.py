@@ -18,9 +18,12 @@ USER_FEATURES = ["txn_count_7d", "avg_amount_7d", "chargeback_rate_90d", "accoun
 EXPIRED_USER = "u-expired"
 
 
-@pytest.fixture(scope="module")
-def store(sample_assets):
-    store = open_store(sample_assets.repo)
+@pytest.fixture(scope="module", params=["sqlite", "redis"])
+def store(request, sample_assets):
+    repo = (
+        sample_assets.repo if request.param == "sqlite" else request.getfixturevalue("redis_repo")
+    )
+    store = open_store(repo)
     old = datetime.now(UTC) - timedelta(days=30)
     store.write_to_online_store(
         "user_stats",
