@@ -46,6 +46,26 @@ class CacheSettings:
     """How long a cached row may be served before it is read from the store again."""
 
 
+class _View:
+    """One view of the service: its reader, the event fields of its key, its cache."""
+
+    def __init__(self, reader: OnlineViewReader, fields: list[str], cache: FeatureCache) -> None:
+        self.reader = reader
+        self.name = reader.view.name
+        self.fields = fields
+        self.cache = cache
+        # Bound once: label lookups on the hot path cost more than the increments.
+        self.hits = metrics.CACHE_HITS.labels(self.name)
+        self.misses = metrics.CACHE_MISSES.labels(self.name)
+        self.evictions = metrics.CACHE_EVICTIONS.labels(self.name)
+        self.expired = metrics.EXPIRED.labels(self.name)
+        self.read_seconds = metrics.STORE_READ_SECONDS.labels(self.name)
+        self.staleness = metrics.SERVED_STALENESS_SECONDS.labels(self.name)
+
+    def key_of(self, event: Mapping[str, Any]) -> tuple:
+        return tuple(event[field] for field in self.fields)
+
+
 class FeatureLookup:
     """Reads a feature service for batches of events.
 
@@ -70,7 +90,7 @@ class FeatureLookup:
                 f"at {store.repo_path}; hint: run `headrace features prepare`"
             ) from exc
         self._clock = clock
-        self._views: list[tuple[OnlineViewReader, list[str], FeatureCache]] = []
+        self._views: list[_View] = []
         self.feature_refs: list[str] = []
         for projection in service.feature_view_projections:
             names = [feature.name for feature in projection.features]
@@ -84,7 +104,7 @@ class FeatureLookup:
                 )
             fields = [entity_fields[key] for key in reader.join_keys]
             view_cache = FeatureCache(cache.max_entries, cache.max_staleness_s, clock)
-            self._views.append((reader, fields, view_cache))
+            self._views.append(_View(reader, fields, view_cache))
             self.feature_refs += [f"{projection.name_to_use()}__{name}" for name in names]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="feature-read")
 
@@ -98,53 +118,49 @@ class FeatureLookup:
         missing: list[list[str]] = [[] for _ in events]
         unique_total = 0
         reads_total = 0
-        for reader, fields, cache in self._views:
-            view = reader.view.name
+        for view in self._views:
             slot_of: dict[tuple, int] = {}
-            slots = np.fromiter(
-                (slot_of.setdefault(tuple(e[f] for f in fields), len(slot_of)) for e in events),
-                dtype=np.intp,
-                count=len(events),
-            )
-            values, stale_reads = self._view_rows(reader, cache, list(slot_of))
+            slots = [slot_of.setdefault(view.key_of(event), len(slot_of)) for event in events]
+            values, store_reads = self._view_rows(view, list(slot_of))
             unique_total += len(slot_of)
-            reads_total += stale_reads
-            for column, name in enumerate(reader.features):
-                columns[f"{view}__{name}"] = values[slots, column]
-            for row in np.flatnonzero(np.isnan(values[slots]).any(axis=1)):
-                missing[row].append(view)
+            reads_total += store_reads
+            rows = values[slots]
+            for column, name in enumerate(view.reader.features):
+                columns[f"{view.name}__{name}"] = rows[:, column]
+            for row in np.flatnonzero(np.isnan(rows).any(axis=1)):
+                missing[row].append(view.name)
         return FeatureRows(columns, [tuple(m) for m in missing], unique_total, reads_total)
 
-    def _view_rows(
-        self, reader: OnlineViewReader, cache: FeatureCache, keys: list[tuple]
-    ) -> tuple[np.ndarray, int]:
+    def _view_rows(self, view: _View, keys: list[tuple]) -> tuple[np.ndarray, int]:
         """(keys, features) values with expired rows blanked, and how many were read."""
-        view = reader.view.name
+        reader, cache = view.reader, view.cache
         values = np.empty((len(keys), len(reader.features)))
         stamps = np.empty(len(keys))
         misses = []
+        stalest_s = 0.0
         for index, key in enumerate(keys):
             cached = cache.get(key)
             if cached is None:
                 misses.append(index)
                 continue
             values[index], stamps[index], staleness_s = cached
-            metrics.SERVED_STALENESS_SECONDS.labels(view).observe(staleness_s)
-        metrics.CACHE_HITS.labels(view).inc(len(keys) - len(misses))
+            stalest_s = max(stalest_s, staleness_s)
+        view.hits.inc(len(keys) - len(misses))
+        view.staleness.observe(stalest_s)
         if misses:
-            metrics.CACHE_MISSES.labels(view).inc(len(misses))
+            view.misses.inc(len(misses))
             started = time.perf_counter()
             fresh = reader.read([keys[i] for i in misses])
-            metrics.STORE_READ_SECONDS.labels(view).observe(time.perf_counter() - started)
+            view.read_seconds.observe(time.perf_counter() - started)
             evicted = cache.evictions
             for row, index in enumerate(misses):
                 values[index], stamps[index] = fresh.values[row], fresh.event_ts_s[row]
                 cache.put(keys[index], fresh.values[row].copy(), fresh.event_ts_s[row])
-            metrics.CACHE_EVICTIONS.labels(view).inc(cache.evictions - evicted)
+            view.evictions.inc(cache.evictions - evicted)
         if reader.ttl_s is not None:
             expired = self._clock() - stamps > reader.ttl_s
             if expired.any():
-                metrics.EXPIRED.labels(view).inc(int(expired.sum()))
+                view.expired.inc(int(expired.sum()))
                 values[expired] = np.nan
         return values, len(misses)
 

@@ -27,7 +27,7 @@ STORE_READ_SECONDS = Histogram(
 )
 SERVED_STALENESS_SECONDS = Histogram(
     "headrace_feature_served_staleness_seconds",
-    "How long ago the served feature rows were read from the store.",
+    "Per batch, how long ago the stalest served feature row was read from the store.",
     ["view"],
     buckets=(0.0, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
 )

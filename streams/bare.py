@@ -3,14 +3,18 @@
 One thread owns the consumer: it polls librdkafka (blocking, GIL released) and hands
 records to the event loop. Calls on the consumer from the loop thread can block
 behind a poll in progress, so acknowledgements (storing each partition's next
-offset, which librdkafka commits in the background and on close) and pause/resume
-are queued for that thread, which runs them between polls.
+offset, which librdkafka commits in the background and on close) are queued for that
+thread, which runs them between polls. The same thread enforces the in-flight bound:
+it counts what it handed over and what was acknowledged, and pauses the topic's
+partitions at `max_in_flight` (resuming at `resume_in_flight`) before it could hand
+over more, so the bound holds within one chunk.
 It exists to measure what Faust costs and as a leaner choice (`runtime: bare`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import signal
@@ -51,16 +55,20 @@ class BareConsumer:
         )
         self._max_chunk = max(p.config.max_batch_size for p in pipelines)
         self._runners: dict[str, PipelineRunner] = {}
+        # Per input topic, owned by the poll thread: records handed over, not yet acked.
+        self._handed_over: dict[str, int] = {}
+        self._bounds: dict[str, tuple[int, int]] = {}
+        self._paused: set[str] = set()
         for pipeline in pipelines:
-            topic = pipeline.config.input_topic
+            spec = pipeline.config
+            topic = spec.input_topic
+            # The poll thread pauses fetching; this one keeps the metrics.
             in_flight = InFlight(
-                pipeline.config.name,
-                high=pipeline.config.max_in_flight,
-                low=pipeline.config.resume_at,
-                pause=lambda topic=topic: self._set_paused(topic, True),
-                resume=lambda topic=topic: self._set_paused(topic, False),
+                spec.name, spec.max_in_flight, spec.resume_at, lambda: None, lambda: None
             )
             self._runners[topic] = make_runner(pipeline, in_flight, self._store_offsets)
+            self._handed_over[topic] = 0
+            self._bounds[topic] = (spec.max_in_flight, spec.resume_at)
         self._stopping = threading.Event()
         # Consumer calls from the loop thread, run by the poll thread between polls.
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -89,13 +97,32 @@ class BareConsumer:
     def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
         while not self._stopping.is_set():
             self._run_queued_calls()
+            self._apply_bounds()
+            if len(self._paused) == len(self._runners):
+                # Everything paused: wait for acknowledgements instead of polling.
+                with contextlib.suppress(queue.Empty):
+                    self._calls.get(timeout=0.05)()
+                continue
             first = self._consumer.poll(0.05)
             if first is None:
                 continue
             # Take what is already here without waiting for more (no added latency).
             messages = [first, *self._consumer.consume(self._max_chunk - 1, 0)]
+            for message in messages:
+                if not message.error():
+                    self._handed_over[message.topic()] += 1
             loop.call_soon_threadsafe(self._dispatch, messages)
         self._run_queued_calls()
+
+    def _apply_bounds(self) -> None:
+        for topic, (high, low) in self._bounds.items():
+            count = self._handed_over[topic]
+            if topic not in self._paused and count >= high:
+                self._paused.add(topic)
+                self._pause(topic, True)
+            elif topic in self._paused and count <= low:
+                self._paused.discard(topic)
+                self._pause(topic, False)
 
     def _run_queued_calls(self) -> None:
         while True:
@@ -124,8 +151,10 @@ class BareConsumer:
         for topic, partition, offset in handles:
             latest[(topic, partition)] = offset
         offsets = [TopicPartition(t, p, o + 1) for (t, p), o in latest.items()]
+        topic = handles[0][0]
 
         def store() -> None:
+            self._handed_over[topic] -= len(handles)
             try:
                 self._consumer.store_offsets(offsets=offsets)
             except KafkaException as exc:
@@ -134,13 +163,11 @@ class BareConsumer:
 
         self._calls.put(store)
 
-    def _set_paused(self, topic: str, paused: bool) -> None:
-        def apply() -> None:
-            partitions = [tp for tp in self._consumer.assignment() if tp.topic == topic]
-            if partitions:
-                (self._consumer.pause if paused else self._consumer.resume)(partitions)
-
-        self._calls.put(apply)
+    def _pause(self, topic: str, paused: bool) -> None:
+        """Pause or resume a topic's assigned partitions (poll thread only)."""
+        partitions = [tp for tp in self._consumer.assignment() if tp.topic == topic]
+        if partitions:
+            (self._consumer.pause if paused else self._consumer.resume)(partitions)
 
 
 def _input_record(message: Message) -> InputRecord:

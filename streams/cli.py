@@ -108,6 +108,31 @@ def registry_stop(state_dir: Path) -> None:
 
 
 @cli.group()
+def redis() -> None:
+    """A local Redis server for Feast's Redis online store."""
+
+
+@redis.command("start")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "redis")
+@click.option("--port", default=6379, show_default=True)
+def redis_start(state_dir: Path, port: int) -> None:
+    from infra.redis import RedisServer
+
+    server = RedisServer(state_dir, port)
+    took = server.start()
+    click.echo(f"Redis ready on {server.connection_string} ({took:.1f} s)")
+
+
+@redis.command("stop")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "redis")
+def redis_stop(state_dir: Path) -> None:
+    from infra.redis import RedisServer
+
+    stopped = RedisServer(state_dir).stop()
+    click.echo("Redis stopped" if stopped else "Redis was not running")
+
+
+@cli.group()
 def topics() -> None:
     """Topics of the configured pipelines."""
 
@@ -132,13 +157,14 @@ def features() -> None:
 @config_option
 @click.option("--users", default=10_000, show_default=True)
 @click.option("--merchants", default=1_000, show_default=True)
-def features_prepare(config_path: Path, users: int, merchants: int) -> None:
+@click.option("--redis", "redis_at", metavar="HOST:PORT", help="Use Redis as the online store.")
+def features_prepare(config_path: Path, users: int, merchants: int, redis_at: str | None) -> None:
     """Generate the sample statistics, register the views, materialize them online."""
     from features.sample_data import SampleWorld
     from features.store import prepare_sample_store
 
     repo = _config(config_path).features.repo_path
-    prepare_sample_store(repo, SampleWorld(users, merchants))
+    prepare_sample_store(repo, SampleWorld(users, merchants), redis=redis_at)
     click.echo(f"features materialized in {repo}")
 
 
@@ -320,6 +346,22 @@ def bench(
     paths = write_reports(results, out / time.strftime("%Y%m%d-%H%M%S"))
     click.echo(paths["markdown"].read_text())
     click.echo(f"reports: {', '.join(str(p) for p in paths.values())}")
+
+
+@cli.command("bench-features")
+@click.option("--seconds", default=1.0, show_default=True, help="Measured seconds per cell.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True
+)
+def bench_features(seconds: float, out: Path) -> None:
+    """Feature-stage cost: get_online_features, the direct read and the cache, SQLite and Redis."""
+    import time
+
+    from streams.bench.features import run, write_report
+
+    results = run((DEFAULT_STATE / "bench-features").resolve(), seconds)
+    path = write_report(results, out / f"features-{time.strftime('%Y%m%d-%H%M%S')}")
+    click.echo(path.read_text())
 
 
 def main() -> None:

@@ -54,3 +54,8 @@ class InFlight:
         """Wait until fewer than `count` events are in flight."""
         async with self._drained:
             await self._drained.wait_for(lambda: self.count < count)
+
+    async def wait_resumed(self) -> None:
+        """Wait while fetching is paused (until in-flight events drained to `low`)."""
+        async with self._drained:
+            await self._drained.wait_for(lambda: not self.paused)

@@ -145,6 +145,8 @@ def build_app(config: HeadraceConfig, pipelines: list[Pipeline]) -> faust.App:
         topic_allow_declare=False,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=1.0,
+        # Faust's own per-partition buffer, on top of the in-flight bound.
+        stream_buffer_maxsize=max(p.config.max_batch_size for p in pipelines) * 4,
     )
     for pipeline in pipelines:
         _add_agent(app, pipeline)
@@ -161,15 +163,15 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
         value_serializer="raw",
     )
 
-    def partitions():
-        return {tp for tp in app.consumer.assignment() if tp.topic == spec.input_topic}
-
+    # At the bound the agent stops taking events; Faust's stream buffer then fills and
+    # Faust pauses fetching itself (stream_buffer_maxsize). Pausing its partitions from
+    # here as well left them paused after resume_partitions in faust-streaming 0.15.
     in_flight = InFlight(
         spec.name,
         high=spec.max_in_flight,
         low=spec.resume_at,
-        pause=lambda: app.consumer.pause_partitions(partitions()),
-        resume=lambda: app.consumer.resume_partitions(partitions()),
+        pause=lambda: None,
+        resume=lambda: None,
     )
     runner = make_runner(pipeline, in_flight, _ack_events)
 
@@ -181,9 +183,8 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
                 for event in events:
                     event.message.incref()
                 runner.submit([_input_record(event.message) for event in events], events)
-                # Partitions are paused at the bound; this also stops pulling what
-                # Faust had already fetched.
-                await in_flight.wait_below(spec.max_in_flight)
+                # At the bound: take nothing more until drained to the low-water mark.
+                await in_flight.wait_resumed()
         except asyncio.CancelledError:
             # Shutting down: write and ack what was taken before Faust commits.
             await runner.drain()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from features.lookup import FeatureLookup
 from features.store import open_store
 from models.session import ModelSession
 from schemas.catalogue import LocalCatalogue
@@ -125,15 +124,11 @@ def test_worker_keeps_serving_after_bad_input(served):
     assert later_id in {p["event_id"] for p in served["after"].predictions}
 
 
-def test_scores_equal_the_model_run_offline_on_the_same_features(served, sample_assets):
-    """Recompute every score from the event fields and a direct Feast read."""
-    store = open_store(sample_assets.repo)
-    spec = served["deployment"].spec
-    lookup = FeatureLookup(store, spec.feature_service, spec.entity_fields)
-    model = ModelSession(sample_assets.model)
+def offline_scores(repo, spec, model_path, events: list[dict]) -> np.ndarray:
+    """The model run outside headrace on the event fields and Feast's own read."""
+    store = open_store(repo)
+    model = ModelSession(model_path)
     try:
-        predictions = served["outcomes"].predictions
-        events = [served["sent"][p["event_id"]] for p in predictions]
         response = store.get_online_features(
             features=store.get_feature_service(spec.feature_service),
             entity_rows=[
@@ -145,29 +140,60 @@ def test_scores_equal_the_model_run_offline_on_the_same_features(served, sample_
         matrix = np.array(
             [
                 [
-                    (event[name] if name in event else response[name][row])
-                    if (name in event or response[name][row] is not None)
-                    else default
+                    event[name]
+                    if name in event
+                    else (default if response[name][row] is None else response[name][row])
                     for name, default in zip(meta.feature_names, meta.feature_defaults, strict=True)
                 ]
                 for row, event in enumerate(events)
             ],
             dtype=np.float32,
         )
-        offline = model.predict(matrix)
-        served_scores = np.array([p["score"] for p in predictions], dtype=np.float32)
-        np.testing.assert_allclose(served_scores, offline, rtol=1e-5, atol=1e-6)
-        # Entities absent from Feast are flagged, not guessed silently.
-        flagged = [p for p in predictions if p["missing_features"]]
-        assert flagged, "the sample stream always holds a few unknown users or merchants"
-        for prediction, event in zip(predictions, events, strict=True):
-            if prediction["missing_features"]:
-                assert event["user_id"] >= sample_assets.world.users()["user_id"].max() or (
-                    event["merchant_id"] >= sample_assets.world.merchants()["merchant_id"].max()
-                )
+        return model.predict(matrix)
     finally:
-        lookup.close()
         model.close()
+
+
+def test_scores_equal_the_model_run_offline_on_the_same_features(served, sample_assets):
+    predictions = served["outcomes"].predictions
+    events = [served["sent"][p["event_id"]] for p in predictions]
+    offline = offline_scores(
+        sample_assets.repo, served["deployment"].spec, sample_assets.model, events
+    )
+    served_scores = np.array([p["score"] for p in predictions], dtype=np.float32)
+    np.testing.assert_allclose(served_scores, offline, rtol=1e-5, atol=1e-6)
+    # Entities absent from Feast are flagged, not guessed silently.
+    flagged = [p for p in predictions if p["missing_features"]]
+    assert flagged, "the sample stream always holds a few unknown users or merchants"
+    known_users = set(sample_assets.world.users()["user_id"])
+    known_merchants = set(sample_assets.world.merchants()["merchant_id"])
+    for prediction, event in zip(predictions, events, strict=True):
+        unknown = event["user_id"] not in known_users or event["merchant_id"] not in known_merchants
+        assert bool(prediction["missing_features"]) == unknown
+
+
+def test_predictions_from_redis_features_match_the_offline_computation(
+    deploy, kafka, sample_assets, redis_repo
+):
+    deployment = deploy(repo_path=redis_repo)
+    spec = deployment.spec
+    sent = produce_events(kafka.bootstrap_servers, spec.input_topic, sample_assets.world,
+                          150, seed=8, prefix="redis")  # fmt: skip
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker():
+            outcomes = collector.wait_for(150, 120)
+    finally:
+        collector.stop()
+    predictions = outcomes.predictions
+    assert sorted(p["event_id"] for p in predictions) == sorted(sent), deployment.log_tail()
+    events = [sent[p["event_id"]] for p in predictions]
+    np.testing.assert_allclose(
+        np.array([p["score"] for p in predictions], dtype=np.float32),
+        offline_scores(redis_repo, spec, sample_assets.model, events),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
