@@ -54,82 +54,75 @@ def cli(verbose: bool) -> None:
     logging.getLogger("feast").setLevel(logging.WARNING)
 
 
-@cli.group()
-def broker() -> None:
-    """The local Kafka broker (KRaft, single node)."""
+def _service_group(name: str, help_text: str, make, ports: dict[str, int], where) -> None:
+    """`headrace NAME start|stop` for a local service of `infra/` run in the background.
+
+    `make(state_dir, **ports)` builds the service; `where(service)` says where it answers.
+    """
+    group = click.Group(name, help=help_text)
+    state_dir_option = click.option(
+        "--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / name
+    )
+
+    def start(state_dir: Path, **chosen: int) -> None:
+        service = make(state_dir, **chosen)
+        took = service.start()
+        click.echo(f"{name} ready at {where(service)} ({took:.1f} s); state in {state_dir}")
+
+    for port, default in ports.items():
+        start = click.option(f"--{port.replace('_', '-')}", port, default=default,
+                             show_default=True)(start)  # fmt: skip
+    group.command("start", help=f"Start {name} in the background; wait until it answers.")(
+        state_dir_option(start)
+    )
+
+    def stop(state_dir: Path) -> None:
+        stopped = make(state_dir).stop()
+        click.echo(f"{name} stopped" if stopped else f"{name} was not running")
+
+    group.command("stop", help=f"Stop {name}.")(state_dir_option(stop))
+    cli.add_command(group)
 
 
-@broker.command("start")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "kafka")
-@click.option("--port", default=9092, show_default=True)
-@click.option("--controller-port", default=9093, show_default=True)
-def broker_start(state_dir: Path, port: int, controller_port: int) -> None:
-    """Start the broker in the background and wait until it answers."""
+def _kafka(state_dir: Path, **ports: int):
     from infra.kafka import KafkaBroker
 
-    kafka = KafkaBroker(state_dir, port, controller_port)
-    took = kafka.start()
-    click.echo(f"Kafka ready on {kafka.bootstrap_servers} ({took:.1f} s); data in {state_dir}")
+    return KafkaBroker(state_dir, **ports)
 
 
-@broker.command("stop")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "kafka")
-def broker_stop(state_dir: Path) -> None:
-    from infra.kafka import KafkaBroker
-
-    stopped = KafkaBroker(state_dir).stop()
-    click.echo("Kafka stopped" if stopped else "Kafka was not running")
-
-
-@cli.group()
-def registry() -> None:
-    """The local schema registry (Apicurio, Confluent-compatible API)."""
-
-
-@registry.command("start")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "registry")
-@click.option("--port", default=8081, show_default=True)
-@click.option("--management-port", default=8091, show_default=True)
-def registry_start(state_dir: Path, port: int, management_port: int) -> None:
+def _registry(state_dir: Path, **ports: int):
     from infra.registry import SchemaRegistryServer
 
-    server = SchemaRegistryServer(state_dir, port, management_port)
-    took = server.start()
-    click.echo(f"Schema registry ready at {server.url} ({took:.1f} s)")
+    return SchemaRegistryServer(state_dir, **ports)
 
 
-@registry.command("stop")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "registry")
-def registry_stop(state_dir: Path) -> None:
-    from infra.registry import SchemaRegistryServer
-
-    stopped = SchemaRegistryServer(state_dir).stop()
-    click.echo("Schema registry stopped" if stopped else "Schema registry was not running")
-
-
-@cli.group()
-def redis() -> None:
-    """A local Redis server for Feast's Redis online store."""
-
-
-@redis.command("start")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "redis")
-@click.option("--port", default=6379, show_default=True)
-def redis_start(state_dir: Path, port: int) -> None:
+def _redis(state_dir: Path, **ports: int):
     from infra.redis import RedisServer
 
-    server = RedisServer(state_dir, port)
-    took = server.start()
-    click.echo(f"Redis ready on {server.connection_string} ({took:.1f} s)")
+    return RedisServer(state_dir, **ports)
 
 
-@redis.command("stop")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "redis")
-def redis_stop(state_dir: Path) -> None:
-    from infra.redis import RedisServer
-
-    stopped = RedisServer(state_dir).stop()
-    click.echo("Redis stopped" if stopped else "Redis was not running")
+_service_group(
+    "broker",
+    "The local Kafka broker (KRaft, single node).",
+    _kafka,
+    {"port": 9092, "controller_port": 9093},
+    lambda kafka: kafka.bootstrap_servers,
+)
+_service_group(
+    "registry",
+    "The local schema registry (Apicurio, Confluent-compatible API; Java 21+).",
+    _registry,
+    {"port": 8081, "management_port": 8091},
+    lambda registry: registry.url,
+)
+_service_group(
+    "redis",
+    "A local Redis server for Feast's Redis online store.",
+    _redis,
+    {"port": 6379},
+    lambda redis: redis.connection_string,
+)
 
 
 @cli.group()

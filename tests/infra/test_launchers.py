@@ -41,3 +41,36 @@ def test_topics_get_the_partition_counts_asked_for(kafka):
 def test_registry_serves_the_confluent_api(registry):
     assert registry.ready()
     assert registry.url.endswith("/apis/ccompat/v7")
+
+
+def test_redis_commands_start_and_stop_a_server(tmp_path):
+    from click.testing import CliRunner
+
+    from infra.ports import free_port
+    from infra.redis import RedisServer
+    from streams.cli import cli
+
+    port = free_port()
+    runner = CliRunner()
+    arguments = ["redis", "start", "--state-dir", str(tmp_path), "--port", str(port)]
+    started = runner.invoke(cli, arguments)
+    assert started.exit_code == 0, started.output
+    assert f"ready at 127.0.0.1:{port}" in started.output
+    assert RedisServer(tmp_path, port).ready()
+    stopped = runner.invoke(cli, ["redis", "stop", "--state-dir", str(tmp_path)])
+    assert "redis stopped" in stopped.output
+    assert not RedisServer(tmp_path, port).ready()
+
+
+def test_a_bad_config_is_one_clear_line_and_status_2(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from streams.cli import main
+
+    config = tmp_path / "bad.yaml"
+    config.write_text("pipelines: []\n")
+    monkeypatch.setattr(sys, "argv", ["headrace", "topics", "create", "-c", str(config)])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    assert f"headrace: {config}: pipelines:" in capsys.readouterr().err
