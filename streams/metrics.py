@@ -75,6 +75,29 @@ BATCH_TARGET = Gauge(
 )
 
 
+class PipelineMetrics:
+    """The children of one pipeline's metrics, bound once (`labels()` costs more than
+    an observation on the per-event path)."""
+
+    def __init__(self, pipeline: str) -> None:
+        self.pipeline = pipeline
+        self.admission_lag = ADMISSION_LAG_SECONDS.labels(pipeline)
+        self.end_to_end = END_TO_END_SECONDS.labels(pipeline)
+        self.batch_size = BATCH_SIZE.labels(pipeline)
+        self.stage = {
+            stage: STAGE_SECONDS.labels(pipeline, stage)
+            for stage in ("decode", "features", "inference", "encode", "publish")
+        }
+        self.predictions = EVENTS.labels(pipeline, "prediction")
+        self.dead_letters = EVENTS.labels(pipeline, "dead_letter")
+
+    def missing_features(self, view: str):
+        return MISSING_FEATURES.labels(self.pipeline, view)
+
+    def dead_letter_reason(self, reason: str):
+        return DEAD_LETTERS.labels(self.pipeline, reason)
+
+
 def serve_metrics(port: int) -> None:
     """Serve `/metrics` from a daemon thread; port 0 means no endpoint."""
     if port:

@@ -79,6 +79,7 @@ class Pipeline:
         self._encoder = encoder
         self._lookup = lookup
         self._publisher = publisher
+        self._metrics = metrics.PipelineMetrics(config.name)
         self._columns = _column_sources(model.metadata, lookup.feature_refs, event_fields)
         self._defaults = np.asarray(model.metadata.feature_defaults, dtype=np.float32)
 
@@ -90,14 +91,12 @@ class Pipeline:
 
     async def prepare(self, records: Sequence[InputRecord]) -> Prepared:
         """Decode and validate (bad inputs become dead letters), then read features."""
-        name = self.config.name
+        measure = self._metrics
         started = time.perf_counter()
         admitted_ms = time.time() * 1000
         prepared = Prepared(records, [None] * len(records))
         for index, record in enumerate(records):
-            metrics.ADMISSION_LAG_SECONDS.labels(name).observe(
-                max(0.0, admitted_ms - record.timestamp_ms) / 1000
-            )
+            measure.admission_lag.observe(max(0.0, admitted_ms - record.timestamp_ms) / 1000)
             try:
                 event = self._decoder.decode(record.value)
                 validate_transaction(event)
@@ -107,11 +106,11 @@ class Pipeline:
             prepared.events.append(event)
             prepared.scored.append(record)
         decoded = time.perf_counter()
-        metrics.STAGE_SECONDS.labels(name, "decode").observe(decoded - started)
+        measure.stage["decode"].observe(decoded - started)
         if prepared.events:
             prepared.rows = await self._lookup.fetch(prepared.events)
         fetched = time.perf_counter()
-        metrics.STAGE_SECONDS.labels(name, "features").observe(fetched - decoded)
+        measure.stage["features"].observe(fetched - decoded)
         prepared.timings = {
             "batch_size": len(records),
             "decode_us": _us(started, decoded),
@@ -126,13 +125,13 @@ class Pipeline:
         started = time.perf_counter()
         scores = await self.model.predict(self._assemble(prepared.events, prepared.rows))
         seconds = time.perf_counter() - started
-        metrics.STAGE_SECONDS.labels(self.config.name, "inference").observe(seconds)
+        self._metrics.stage["inference"].observe(seconds)
         prepared.timings["inference_us"] = int(seconds * 1_000_000)
         return scores
 
     async def publish(self, prepared: Prepared, scores: np.ndarray) -> BatchOutcome:
         """Encode the predictions and write every outcome; returns once Kafka has them all."""
-        name = self.config.name
+        measure = self._metrics
         started = time.perf_counter()
         outcomes = prepared.outcomes
         if prepared.events:
@@ -143,17 +142,15 @@ class Pipeline:
         await self._publisher.publish(outcomes)
         published = time.perf_counter()
 
-        metrics.STAGE_SECONDS.labels(name, "encode").observe(encoded - started)
-        metrics.STAGE_SECONDS.labels(name, "publish").observe(published - encoded)
-        metrics.BATCH_SIZE.labels(name).observe(len(prepared.records))
+        measure.stage["encode"].observe(encoded - started)
+        measure.stage["publish"].observe(published - encoded)
+        measure.batch_size.observe(len(prepared.records))
         now_ms = time.time() * 1000
         for record in prepared.records:
-            metrics.END_TO_END_SECONDS.labels(name).observe(
-                max(0.0, now_ms - record.timestamp_ms) / 1000
-            )
+            measure.end_to_end.observe(max(0.0, now_ms - record.timestamp_ms) / 1000)
         dead = len(prepared.records) - len(prepared.events)
-        metrics.EVENTS.labels(name, "prediction").inc(len(prepared.events))
-        metrics.EVENTS.labels(name, "dead_letter").inc(dead)
+        measure.predictions.inc(len(prepared.events))
+        measure.dead_letters.inc(dead)
         return BatchOutcome(predictions=len(prepared.events), dead_letters=dead)
 
     def _assemble(self, events: list[dict[str, Any]], rows: FeatureRows) -> np.ndarray:
@@ -178,7 +175,7 @@ class Pipeline:
             strict=True,
         ):  # fmt: skip
             for view in missing:
-                metrics.MISSING_FEATURES.labels(self.config.name, view).inc()
+                self._metrics.missing_features(view).inc()
             value = self._encoder.encode(
                 {
                     "event_id": event["event_id"],
@@ -203,7 +200,7 @@ class Pipeline:
         log.warning(
             "dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, error
         )
-        metrics.DEAD_LETTERS.labels(self.config.name, error.reason).inc()
+        self._metrics.dead_letter_reason(error.reason).inc()
         headers = [
             ("headrace.error.reason", error.reason.encode()),
             ("headrace.error.message", str(error).encode()),
