@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -25,6 +26,13 @@ class SampleWorld:
     seed: int = 7
 
     def users(self) -> pd.DataFrame:
+        return self._users.copy()
+
+    def merchants(self) -> pd.DataFrame:
+        return self._merchants.copy()
+
+    @cached_property
+    def _users(self) -> pd.DataFrame:
         rng = np.random.default_rng(self.seed)
         n = self.n_users
         return pd.DataFrame(
@@ -37,7 +45,8 @@ class SampleWorld:
             }
         )
 
-    def merchants(self) -> pd.DataFrame:
+    @cached_property
+    def _merchants(self) -> pd.DataFrame:
         rng = np.random.default_rng(self.seed + 1)
         n = self.n_merchants
         return pd.DataFrame(
@@ -58,7 +67,7 @@ class SampleWorld:
         merchants = np.where(
             rng.random(n) < UNKNOWN_ENTITY_RATE, merchants + self.n_merchants, merchants
         )
-        spend_scale = self.users()["avg_amount_7d"].to_numpy()[users % self.n_users]
+        spend_scale = self._users["avg_amount_7d"].to_numpy()[users % self.n_users]
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         return pd.DataFrame(
             {

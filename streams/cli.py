@@ -275,15 +275,16 @@ def consume(
 
 
 @cli.command()
-@click.option("--rate", default=500.0, show_default=True, help="Events per second.")
+@click.option("--rate", default=200.0, show_default=True, help="Events per second.")
 @click.option("--duration", default=20.0, show_default=True, help="Seconds of measured load.")
 @click.option("--partitions", default=3, show_default=True)
+@click.option("--runtime", type=click.Choice(["faust", "bare"]), default="faust", show_default=True)
 @click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "demo")
-def demo(rate: float, duration: float, partitions: int, state_dir: Path) -> None:
+def demo(rate: float, duration: float, partitions: int, runtime: str, state_dir: Path) -> None:
     """End to end on the embedded defaults: broker, features, model, worker, load, summary."""
     from streams.demo import run_demo
 
-    run_demo(state_dir, rate, duration, partitions)
+    run_demo(state_dir, rate, duration, partitions, runtime)
 
 
 @cli.command()
