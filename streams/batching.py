@@ -135,11 +135,15 @@ class MicroBatcher(Generic[T]):
         self._flushing = True
         self._arrived.set()
 
+    def target_size(self) -> int:
+        """The size at which the pending batch counts as full, at the current arrival rate."""
+        return self.policy.target_size(self._rate.per_s())
+
     def ready(self) -> float:
         """Seconds until the pending batch is due; 0 when it is due now."""
         if not self._pending:
             return float("inf")
-        if self._flushing or len(self._pending) >= self.policy.target_size(self._rate.per_s()):
+        if self._flushing or len(self._pending) >= self.target_size():
             return 0.0
         size = min(len(self._pending), self.policy.max_batch_size)
         oldest = min(self._pending[i].deadline_wall for i in range(size))

@@ -177,21 +177,7 @@ class Pipeline:
             for view in missing:
                 self._metrics.missing_features(view).inc()
             value = self._encoder.encode(
-                {
-                    "event_id": event["event_id"],
-                    "input_topic": record.topic,
-                    "input_partition": record.partition,
-                    "input_offset": record.offset,
-                    "event_timestamp_ms": record.timestamp_ms,
-                    "model_name": meta.name,
-                    "model_version": meta.version,
-                    "score": score,
-                    "label": score >= meta.threshold,
-                    "status": "OK",
-                    "reason": None,
-                    "missing_features": list(missing),
-                    "timings": timings,
-                }
+                prediction(event, record, meta, score, list(missing), timings)
             )
             out.append(OutRecord(self.config.output_topic, record.key, value))
         return out
@@ -210,6 +196,32 @@ class Pipeline:
             ("headrace.input.offset", str(record.offset).encode()),
         ]
         return OutRecord(self.config.dead_letter_topic, record.key, record.value, headers)
+
+
+def prediction(
+    event: dict[str, Any],
+    record: InputRecord,
+    meta: ModelMetadata,
+    score: float,
+    missing_views: list[str],
+    timings: dict[str, int],
+) -> dict[str, Any]:
+    """The Prediction record (`schemas/prediction.avsc`) answering `record` with status OK."""
+    return {
+        "event_id": event["event_id"],
+        "input_topic": record.topic,
+        "input_partition": record.partition,
+        "input_offset": record.offset,
+        "event_timestamp_ms": record.timestamp_ms,
+        "model_name": meta.name,
+        "model_version": meta.version,
+        "score": score,
+        "label": score >= meta.threshold,
+        "status": "OK",
+        "reason": None,
+        "missing_features": missing_views,
+        "timings": timings,
+    }
 
 
 def _column_sources(

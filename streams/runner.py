@@ -72,6 +72,7 @@ class PipelineRunner:
         self._to_infer: asyncio.Queue = asyncio.Queue(maxsize=1)
         self._to_publish: asyncio.Queue = asyncio.Queue(maxsize=concurrent_inference)
         self._tasks: list[asyncio.Task] = []
+        self._target_size = metrics.BATCH_TARGET.labels(self._name)
 
     def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
         """Hand consumed records over, each with the handle the ack callback receives."""
@@ -110,7 +111,7 @@ class PipelineRunner:
     async def _release(self) -> None:
         while True:
             items = await self._batcher.next_batch()
-            metrics.BATCH_TARGET.labels(self._name).set(self.policy.target_size(0))
+            self._target_size.set(self._batcher.target_size())
             batch = _Batch([record for record, _ in items], [handle for _, handle in items])
             prepare = asyncio.create_task(
                 self._retrying(batch, "features", self.pipeline.prepare, batch.records)

@@ -23,6 +23,7 @@ from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import DecodeError
 from schemas.validation import validate_transaction
 from streams.config import load_config
+from streams.pipeline import InputRecord, prediction
 
 
 def main(config_path: str) -> None:
@@ -66,32 +67,17 @@ def main(config_path: str) -> None:
             for v, default in zip(row, meta.feature_defaults, strict=True)
         ]
         score = float(model.predict(np.array([row], dtype=np.float32))[0])
-        producer.produce(
-            spec.output_topic,
-            encoder.encode(
-                {
-                    "event_id": event["event_id"],
-                    "input_topic": message.topic(),
-                    "input_partition": message.partition(),
-                    "input_offset": message.offset(),
-                    "event_timestamp_ms": message.timestamp()[1],
-                    "model_name": meta.name,
-                    "model_version": meta.version,
-                    "score": score,
-                    "label": score >= meta.threshold,
-                    "status": "OK",
-                    "reason": None,
-                    "missing_features": [],
-                    "timings": {
-                        "batch_size": 1,
-                        "decode_us": 0,
-                        "features_us": 0,
-                        "inference_us": 0,
-                    },
-                }
-            ),
+        record = InputRecord(
+            message.topic(),
+            message.partition(),
+            message.offset(),
+            message.timestamp()[1],
             message.key(),
+            message.value(),
         )
+        untimed = {"batch_size": 1, "decode_us": 0, "features_us": 0, "inference_us": 0}
+        value = encoder.encode(prediction(event, record, meta, score, [], untimed))
+        producer.produce(spec.output_topic, value, message.key())
         producer.poll(0)
     producer.flush(30)
     consumer.close()
