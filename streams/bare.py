@@ -63,9 +63,7 @@ class BareConsumer:
             spec = pipeline.config
             topic = spec.input_topic
             # The poll thread pauses fetching; this one keeps the metrics.
-            in_flight = InFlight(
-                spec.name, spec.max_in_flight, spec.resume_at, lambda: None, lambda: None
-            )
+            in_flight = InFlight(spec.name, spec.max_in_flight, spec.resume_at)
             self._runners[topic] = make_runner(pipeline, in_flight, self._store_offsets)
             self._handed_over[topic] = 0
             self._bounds[topic] = (spec.max_in_flight, spec.resume_at)
@@ -92,6 +90,9 @@ class BareConsumer:
             for runner in self._runners.values():
                 await runner.drain()
                 await runner.stop()
+            # The drained batches queued their offsets for the poll thread, which is gone:
+            # store them here (nothing polls any more), so the close commits them.
+            self._run_queued_calls()
             self._consumer.close()  # commits the stored offsets
 
     def _poll(self, loop: asyncio.AbstractEventLoop) -> None:

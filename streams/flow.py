@@ -1,52 +1,43 @@
-"""Backpressure: a bound on in-flight events, with pause and resume of fetching.
+"""Backpressure: the count of in-flight events of one pipeline, with hysteresis.
 
-In flight means consumed but not yet acknowledged. At `high` the consumer's
-partitions are paused; they resume when the count drains to `low`, so memory stays
-bounded whatever the load, and the event loop never blocks on it.
+In flight means consumed but not yet acknowledged. The state turns paused at `high`
+and back at `low`; the consumer side acts on it (the Faust agent stops taking events,
+the bare poll thread pauses its partitions), so memory stays bounded whatever the
+load, and the event loop never blocks on it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from streams import metrics
 
 
 class InFlight:
-    def __init__(
-        self,
-        pipeline: str,
-        high: int,
-        low: int,
-        pause: Callable[[], None],
-        resume: Callable[[], None],
-    ) -> None:
-        self._pipeline = pipeline
+    def __init__(self, pipeline: str, high: int, low: int) -> None:
         self.high = high
         self.low = low
-        self._pause = pause
-        self._resume = resume
         self.count = 0
         self.paused = False
         self._drained = asyncio.Condition()
+        self._count_metric = metrics.IN_FLIGHT.labels(pipeline)
+        self._paused_metric = metrics.PAUSED.labels(pipeline)
+        self._pauses_metric = metrics.PAUSES.labels(pipeline)
 
     def add(self, count: int) -> None:
         self.count += count
-        metrics.IN_FLIGHT.labels(self._pipeline).set(self.count)
+        self._count_metric.set(self.count)
         if not self.paused and self.count >= self.high:
             self.paused = True
-            metrics.PAUSES.labels(self._pipeline).inc()
-            metrics.PAUSED.labels(self._pipeline).set(1)
-            self._pause()
+            self._pauses_metric.inc()
+            self._paused_metric.set(1)
 
     async def done(self, count: int) -> None:
         self.count -= count
-        metrics.IN_FLIGHT.labels(self._pipeline).set(self.count)
+        self._count_metric.set(self.count)
         if self.paused and self.count <= self.low:
             self.paused = False
-            metrics.PAUSED.labels(self._pipeline).set(0)
-            self._resume()
+            self._paused_metric.set(0)
         async with self._drained:
             self._drained.notify_all()
 

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-# Stage latencies reach from microseconds (decode) to seconds (a slow store).
-_SECONDS = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
-    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
+from features.metrics import SECONDS_BUCKETS
 
 EVENTS = Counter(
     "headrace_events",
@@ -31,20 +27,20 @@ STAGE_SECONDS = Histogram(
     "headrace_stage_seconds",
     "Wall time of a stage for one batch (decode and encode: the whole batch).",
     ["pipeline", "stage"],
-    buckets=_SECONDS,
+    buckets=SECONDS_BUCKETS,
 )
 END_TO_END_SECONDS = Histogram(
     "headrace_end_to_end_seconds",
     "From the input record's Kafka timestamp to its outcome being acknowledged by Kafka.",
     ["pipeline"],
-    buckets=_SECONDS,
+    buckets=SECONDS_BUCKETS,
 )
 ADMISSION_LAG_SECONDS = Histogram(
     "headrace_admission_lag_seconds",
     "From the input record's Kafka timestamp to its batch entering the pipeline "
     "(time spent in Kafka, the consumer and the batcher).",
     ["pipeline"],
-    buckets=_SECONDS,
+    buckets=SECONDS_BUCKETS,
 )
 BATCH_SIZE = Histogram(
     "headrace_batch_size",
@@ -68,7 +64,7 @@ QUEUE_SECONDS = Histogram(
     "headrace_batch_queue_seconds",
     "Wait of a released batch for its next stage (features, inference or publish).",
     ["pipeline", "stage"],
-    buckets=_SECONDS,
+    buckets=SECONDS_BUCKETS,
 )
 BATCH_TARGET = Gauge(
     "headrace_batch_target_size", "The size at which the batcher counts a batch full.", ["pipeline"]

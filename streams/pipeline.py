@@ -56,12 +56,6 @@ class Prepared:
     timings: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class BatchOutcome:
-    predictions: int
-    dead_letters: int
-
-
 class Pipeline:
     def __init__(
         self,
@@ -82,12 +76,6 @@ class Pipeline:
         self._metrics = metrics.PipelineMetrics(config.name)
         self._columns = _column_sources(model.metadata, lookup.feature_refs, event_fields)
         self._defaults = np.asarray(model.metadata.feature_defaults, dtype=np.float32)
-
-    async def process(self, records: Sequence[InputRecord]) -> BatchOutcome:
-        """All stages, one after the other (no overlap between batches)."""
-        prepared = await self.prepare(records)
-        scores = await self.infer(prepared)
-        return await self.publish(prepared, scores)
 
     async def prepare(self, records: Sequence[InputRecord]) -> Prepared:
         """Decode and validate (bad inputs become dead letters), then read features."""
@@ -129,7 +117,7 @@ class Pipeline:
         prepared.timings["inference_us"] = int(seconds * 1_000_000)
         return scores
 
-    async def publish(self, prepared: Prepared, scores: np.ndarray) -> BatchOutcome:
+    async def publish(self, prepared: Prepared, scores: np.ndarray) -> None:
         """Encode the predictions and write every outcome; returns once Kafka has them all."""
         measure = self._metrics
         started = time.perf_counter()
@@ -151,7 +139,6 @@ class Pipeline:
         dead = len(prepared.records) - len(prepared.events)
         measure.predictions.inc(len(prepared.events))
         measure.dead_letters.inc(dead)
-        return BatchOutcome(predictions=len(prepared.events), dead_letters=dead)
 
     def _assemble(self, events: list[dict[str, Any]], rows: FeatureRows) -> np.ndarray:
         """The float32 model input; NaN (missing store values) becomes the model's default."""

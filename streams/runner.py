@@ -73,6 +73,9 @@ class PipelineRunner:
         self._to_publish: asyncio.Queue = asyncio.Queue(maxsize=concurrent_inference)
         self._tasks: list[asyncio.Task] = []
         self._target_size = metrics.BATCH_TARGET.labels(self._name)
+        self._inference_wait = metrics.QUEUE_SECONDS.labels(self._name, "inference")
+        self._publish_wait = metrics.QUEUE_SECONDS.labels(self._name, "publish")
+        self._retries = metrics.RETRIES.labels(self._name)
 
     def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
         """Hand consumed records over, each with the handle the ack callback receives."""
@@ -122,7 +125,7 @@ class PipelineRunner:
         while True:
             batch, prepare, queued = await self._to_infer.get()
             prepared: Prepared = await prepare
-            metrics.QUEUE_SECONDS.labels(self._name, "inference").observe(time.monotonic() - queued)
+            self._inference_wait.observe(time.monotonic() - queued)
             scores = asyncio.create_task(
                 self._retrying(batch, "inference", self.pipeline.infer, prepared)
             )
@@ -132,7 +135,7 @@ class PipelineRunner:
         while True:
             batch, prepared, scores_task, queued = await self._to_publish.get()
             scores: np.ndarray = await scores_task
-            metrics.QUEUE_SECONDS.labels(self._name, "publish").observe(time.monotonic() - queued)
+            self._publish_wait.observe(time.monotonic() - queued)
             started = time.monotonic()
             await self._retrying(batch, "publish", self.pipeline.publish, prepared, scores)
             self._ack(batch.handles)
@@ -159,7 +162,7 @@ class PipelineRunner:
                     "pipeline %s: %s of a batch failed (attempt %d: %s); retrying",
                     self._name, stage, attempt, exc,
                 )  # fmt: skip
-                metrics.RETRIES.labels(self._name).inc()
+                self._retries.inc()
                 await asyncio.sleep(delay_s)
             except Exception as exc:  # a bug: never ack what it may have skipped
                 self._on_fatal(exc, batch.records)

@@ -166,13 +166,7 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
     # At the bound the agent stops taking events; Faust's stream buffer then fills and
     # Faust pauses fetching itself (stream_buffer_maxsize). Pausing its partitions from
     # here as well left them paused after resume_partitions in faust-streaming 0.15.
-    in_flight = InFlight(
-        spec.name,
-        high=spec.max_in_flight,
-        low=spec.resume_at,
-        pause=lambda: None,
-        resume=lambda: None,
-    )
+    in_flight = InFlight(spec.name, high=spec.max_in_flight, low=spec.resume_at)
     runner = make_runner(pipeline, in_flight, _ack_events)
 
     async def consume(stream) -> None:

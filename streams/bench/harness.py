@@ -114,6 +114,8 @@ class Bench:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         broker = self._broker()
         self.bootstrap = settings.bootstrap_servers or broker.bootstrap_servers
+        # One producer sends every system's load: the same client for every figure.
+        self.producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 1})
         started = time.time()
         try:
             self.echo("preparing features (SQLite Feast) and the sample model")
@@ -226,7 +228,7 @@ class Bench:
         else:
             process = start_process(["-m", "streams.bench.naive", str(config_file)], log_file)
         # Warm up until answers flow: group join, partition assignment, first reads.
-        producer = self._producer()
+        producer = self.producer
         send_at_rate(producer, system.input_topic, self.records, 100, 2)
         system.sent += 200
         if system.reader.wait_for(system.sent, 120) < system.sent:
@@ -255,7 +257,7 @@ class Bench:
         settings = self.settings
         before = scrape(system.profile_port) if system.profile_port else None
         report = send_at_rate(
-            self._producer(),
+            self.producer,
             system.input_topic,
             self.records,
             rate,
@@ -292,11 +294,6 @@ class Bench:
             overloaded=unanswered > 0 or summary.p99_ms > 4 * settings.budget_ms,
             profile=profile,
         )
-
-    def _producer(self) -> Producer:
-        if not hasattr(self, "_shared_producer"):
-            self._shared_producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 1})
-        return self._shared_producer
 
     def _topic(self, name: str, partitions: int, exact: bool = False) -> str:
         topic = name if exact else f"bench-{name}-{self.run_id}"

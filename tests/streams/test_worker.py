@@ -237,3 +237,29 @@ def test_restart_resumes_from_committed_offsets_without_repeats(
         assert sorted(ids) == sorted([*first, *second])
     finally:
         collector.stop()
+
+
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_a_clean_stop_in_the_middle_of_a_backlog_repeats_nothing(
+    deploy, kafka, sample_assets, runtime
+):
+    deployment = deploy(runtime=runtime)
+    spec = deployment.spec
+    sent = produce_events(kafka.bootstrap_servers, spec.input_topic, sample_assets.world,
+                          3000, seed=12, prefix="backlog")  # fmt: skip
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker():
+            # Stop while batches are still in flight.
+            assert len(collector.wait_for(300, 120)) >= 300, deployment.log_tail()
+        with deployment.worker():
+            assert len(collector.wait_for(3000, 180)) >= 3000, deployment.log_tail()
+            assert wait_until(
+                lambda: committed_lag(kafka.bootstrap_servers, deployment.config.app_id,
+                                      spec.input_topic, 3) == 0,
+                timeout_s=30,
+            )  # fmt: skip
+        ids = [p["event_id"] for p in collector.snapshot().predictions]
+        assert sorted(ids) == sorted(sent)
+    finally:
+        collector.stop()
