@@ -1,7 +1,9 @@
-"""Train the sample fraud model on the synthetic world and export it to ONNX.
+"""Train the sample fraud models on the synthetic world and export them to ONNX.
 
-The model reads the event fields and the `fraud_scoring` feature service, in the
-order written to the artifact's metadata. Needs the `dev` extra (scikit-learn, skl2onnx).
+`fraud-mlp` reads the event fields and the `fraud_scoring` feature service, in the
+order written to the artifact's metadata. `fraud-lite`, its fallback, is a logistic
+regression on the event fields alone: it needs no feature read, so it can still answer
+events the full model would answer too late. Needs the `dev` extra (scikit-learn, skl2onnx).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ log = logging.getLogger(__name__)
 
 MODEL_NAME = "fraud-mlp"
 MODEL_VERSION = "1"
+FALLBACK_NAME = "fraud-lite"
 EVENT_FEATURES = ("amount", "hour_of_day", "is_online")
 STORE_FEATURES = (
     "user_stats__txn_count_7d",
@@ -51,11 +54,15 @@ def training_frame(world: SampleWorld, n_samples: int, seed: int) -> pd.DataFram
     return frame
 
 
+def fallback_path(model_path: Path) -> Path:
+    """Where `train` writes the fallback model: beside the full one."""
+    return model_path.with_name(f"{FALLBACK_NAME}.onnx")
+
+
 def train(out_path: Path, world: SampleWorld, n_samples: int = 40_000, seed: int = 11) -> dict:
-    """Fit, export to `out_path`, and return a short report (AUC on held-out data)."""
-    from skl2onnx import to_onnx
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.metrics import roc_auc_score
+    """Fit both models, export the full one to `out_path` and the fallback beside it
+    (`fallback_path`), and return a short report (AUC on held-out data)."""
+    from sklearn.linear_model import LogisticRegression
     from sklearn.neural_network import MLPClassifier
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -64,21 +71,41 @@ def train(out_path: Path, world: SampleWorld, n_samples: int = 40_000, seed: int
     # Missing entities get the training medians, the same defaults the worker uses.
     defaults = {name: float(frame[name].median()) for name in STORE_FEATURES}
     defaults.update({name: 0.0 for name in EVENT_FEATURES})
-    probability = fraud_probability(frame.fillna(defaults))
-    labels = np.random.default_rng(seed + 1).random(len(frame)) < probability
+    frame = frame.fillna(defaults)
+    labels = np.random.default_rng(seed + 1).random(len(frame)) < fraud_probability(frame)
 
-    x = frame[list(FEATURE_NAMES)].fillna(defaults).to_numpy(dtype=np.float32)
-    split = int(len(x) * 0.8)
-    model = make_pipeline(
+    full = make_pipeline(
         StandardScaler(),
         MLPClassifier(hidden_layer_sizes=(32, 16), max_iter=60, random_state=seed),
     )
+    lite = make_pipeline(StandardScaler(), LogisticRegression(max_iter=200))
+    report = {
+        "positives": float(labels.mean()),
+        MODEL_NAME: _fit_and_export(
+            full, MODEL_NAME, FEATURE_NAMES, frame, labels, defaults, out_path
+        ),
+        FALLBACK_NAME: _fit_and_export(
+            lite, FALLBACK_NAME, EVENT_FEATURES, frame, labels, defaults, fallback_path(out_path)
+        ),
+    }
+    log.info("trained the sample models: %s", report)
+    return report
+
+
+def _fit_and_export(
+    model, name: str, features: tuple[str, ...], frame, labels, defaults, out_path: Path
+) -> dict:
+    from skl2onnx import to_onnx
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.metrics import roc_auc_score
+
+    x = frame[list(features)].to_numpy(dtype=np.float32)
+    split = int(len(x) * 0.8)
     with warnings.catch_warnings():
         # A capped number of epochs is deliberate: the sample model only needs to be useful.
         warnings.simplefilter("ignore", ConvergenceWarning)
         model.fit(x[:split], labels[:split])
     auc = float(roc_auc_score(labels[split:], model.predict_proba(x[split:])[:, 1]))
-
     onnx_model = to_onnx(
         model,
         x[:1],
@@ -86,10 +113,10 @@ def train(out_path: Path, world: SampleWorld, n_samples: int = 40_000, seed: int
         target_opset={"": 17, "ai.onnx.ml": 3},
     )
     metadata = {
-        "model_name": MODEL_NAME,
+        "model_name": name,
         "model_version": MODEL_VERSION,
-        "feature_names": json.dumps(list(FEATURE_NAMES)),
-        "feature_defaults": json.dumps([defaults[name] for name in FEATURE_NAMES]),
+        "feature_names": json.dumps(list(features)),
+        "feature_defaults": json.dumps([defaults[f] for f in features]),
         "threshold": "0.5",
         "training_auc": f"{auc:.4f}",
     }
@@ -98,6 +125,4 @@ def train(out_path: Path, world: SampleWorld, n_samples: int = 40_000, seed: int
         entry.key, entry.value = key, value
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(onnx_model.SerializeToString())
-    report = {"path": str(out_path), "auc": auc, "positives": float(labels.mean())}
-    log.info("trained %s: %s", MODEL_NAME, report)
-    return report
+    return {"path": str(out_path), "auc": round(auc, 4)}

@@ -21,7 +21,14 @@ from schemas.errors import RegistryError, SchemaNotFoundError
 SCHEMA_DIR = Path(__file__).parent
 
 # Fixed ids of the embedded catalogue. Ids are part of the wire format: never reuse one.
-LOCAL_IDS: dict[int, str] = {1: "transaction.avsc", 2: "prediction.avsc"}
+# A changed schema gets a new id; its earlier versions stay in `history/` so records
+# written with them still decode.
+LOCAL_IDS: dict[int, str] = {
+    1: "history/transaction-1.avsc",
+    2: "history/prediction-1.avsc",
+    3: "transaction.avsc",
+    4: "prediction.avsc",
+}
 
 
 @cache

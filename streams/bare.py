@@ -179,4 +179,5 @@ def _input_record(message: Message) -> InputRecord:
         timestamp_ms=message.timestamp()[1],
         key=message.key(),
         value=message.value(),
+        headers=message.headers() or (),
     )

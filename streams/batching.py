@@ -22,6 +22,9 @@ T = TypeVar("T")
 
 # Keep-up margin of the adaptive size: the chosen size must serve 25% more than arrives.
 HEADROOM = 1.25
+# Most events in one batch of events already past their deadline: those only get cheap
+# answers, so a backlog of them leaves in few, large batches.
+MAX_EXPIRED_BATCH = 512
 _EWMA = 0.2
 
 
@@ -156,10 +159,19 @@ class MicroBatcher(Generic[T]):
         """Remove and return the next batch: everything pending, up to the maximum size.
 
         The target size decides when a batch is due; a backlog still leaves in full
-        batches, so throughput rises under load.
+        batches, so throughput rises under load. When the oldest events are already past
+        their deadline, the batch is the run of such events, up to `MAX_EXPIRED_BATCH`.
         """
-        size = min(len(self._pending), self.policy.max_batch_size)
-        return [self._pending.popleft().item for _ in range(size)]
+        pending = self._pending
+        now_wall = self._wall_clock()
+        if pending and pending[0].deadline_wall < now_wall:
+            batch = []
+            limit = max(MAX_EXPIRED_BATCH, self.policy.max_batch_size)
+            while pending and len(batch) < limit and pending[0].deadline_wall < now_wall:
+                batch.append(pending.popleft().item)
+            return batch
+        size = min(len(pending), self.policy.max_batch_size)
+        return [pending.popleft().item for _ in range(size)]
 
     async def next_batch(self) -> list[T]:
         while True:

@@ -77,6 +77,59 @@ class FeatureCacheConfig(_Frozen):
     """How long a cached row is served before it is read from the store again."""
 
 
+class PriorityConfig(_Frozen):
+    """Where an event's priority comes from; higher numbers are more important."""
+
+    header: str | None = Field("headrace-priority", min_length=1)
+    """Record header holding the priority as a decimal integer (None: not read)."""
+    field: str | None = Field(None, min_length=1)
+    """Event field holding the priority, used when the header is absent (None: not read)."""
+    default: int = Field(1, ge=0)
+    """Priority of an event that carries none (or an unreadable one)."""
+    budget_shares: list[float] = Field([0.5, 0.75, 1.0], min_length=1, max_length=16)
+    """Per priority (index 0 is the lowest), the share of the latency budget its events
+    may use; values beyond the list are clamped to it. Under overload, events of a lower
+    share degrade and shed first."""
+
+    @field_validator("budget_shares")
+    @classmethod
+    def _shares(cls, shares: list[float]) -> list[float]:
+        if not all(0 < share <= 1 for share in shares):
+            raise ValueError(f"each share must be in (0, 1], got {shares}")
+        if shares != sorted(shares):
+            raise ValueError(f"shares must not decrease with priority, got {shares}")
+        return shares
+
+    @model_validator(mode="after")
+    def _default_in_range(self) -> PriorityConfig:
+        if self.default >= len(self.budget_shares):
+            raise ValueError(
+                f"default priority {self.default} has no budget share "
+                f"(priorities 0..{len(self.budget_shares) - 1})"
+            )
+        return self
+
+
+class AnswerCacheConfig(_Frozen):
+    max_entries: int = Field(10_000, ge=0, le=10_000_000)
+    """Recent full-model answers kept (LRU), keyed by the event's model inputs and entity
+    keys; 0 turns the cache rung off."""
+    max_age_s: float = Field(60.0, gt=0, le=86_400)
+    """Oldest answer that may be served again."""
+
+
+class DegradationConfig(_Frozen):
+    """The ladder for events the full model cannot answer in time, tried in this order;
+    an event no rung can answer gets a SHED record."""
+
+    fallback_model: ModelConfig | None = None
+    """A cheaper model (`headrace models train` writes `fraud-lite.onnx`); used while it
+    can still meet the event's deadline."""
+    answer_cache: AnswerCacheConfig = AnswerCacheConfig()
+    default_score: float | None = Field(None, ge=0, le=1)
+    """A fixed score for whatever is left (None: shed instead)."""
+
+
 class PipelineConfig(_Frozen):
     name: str = Field(pattern=_NAME)
     input_topic: str = Field(pattern=_NAME)
@@ -95,7 +148,11 @@ class PipelineConfig(_Frozen):
     """`adaptive`: a batch is full at the smallest size that keeps up with the arrival
     rate (small batches when traffic is light); `fixed`: full at `max_batch_size`."""
     latency_budget_ms: float = Field(100.0, gt=0, le=3_600_000)
-    """An event's deadline is its Kafka timestamp plus this budget."""
+    """An event's deadline is its event time plus this budget."""
+    event_time_field: str | None = Field(None, min_length=1)
+    """Event field with the event time in epoch milliseconds (None: the Kafka timestamp)."""
+    priority: PriorityConfig = PriorityConfig()
+    degradation: DegradationConfig = DegradationConfig()
     max_in_flight: int = Field(2_000, ge=1, le=1_000_000)
     """Consumed but unacknowledged events at which fetching pauses (the memory bound)."""
     resume_in_flight: int | None = Field(None, ge=0)

@@ -26,6 +26,7 @@ from features.sample_data import SampleWorld
 from features.store import prepare_sample_store
 from infra.kafka import KafkaBroker
 from infra.ports import free_port
+from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
 from streams.collector import OutcomeCollector
@@ -49,8 +50,15 @@ def sample_config(
     latency_budget_ms: float = 100.0,
     runtime: str = "faust",
     max_in_flight: int = 2_000,
+    fallback_model: Path | None = None,
+    default_score: float | None = None,
+    priority: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The sample fraud pipeline's config as a plain dict (what a YAML file would hold)."""
+    """The sample fraud pipeline's config as a plain dict (what a YAML file would hold).
+
+    The fallback model defaults to the one `headrace models train` writes beside
+    `model_path`; `default_score` None leaves shedding as the ladder's last rung."""
+    fallback = fallback_model or fallback_path(model_path)
     config: dict[str, Any] = {
         "app_id": f"headrace{suffix}",
         "runtime": runtime,
@@ -70,6 +78,11 @@ def sample_config(
                 "max_in_flight": max_in_flight,
                 "max_batch_size": max_batch_size,
                 "max_wait_ms": max_wait_ms,
+                "priority": priority or {},
+                "degradation": {
+                    "fallback_model": {"path": str(fallback)},
+                    "default_score": default_score,
+                },
             }
         ],
     }
@@ -79,13 +92,14 @@ def sample_config(
 
 
 def prepare_sample_assets(state_dir: Path, world: SampleWorld) -> tuple[Path, Path]:
-    """Feast repo with materialized features and the trained model under `state_dir`."""
+    """Feast repo with materialized features and the trained models (the full one,
+    returned, and its fallback beside it) under `state_dir`."""
     from models.train import train
 
     repo = state_dir / "features"
     prepare_sample_store(repo, world)
     model = state_dir / "models" / "fraud-mlp.onnx"
-    if not model.exists():
+    if not model.exists() or not fallback_path(model).exists():
         train(model, world)
     return repo, model
 

@@ -10,10 +10,24 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from features.metrics import SECONDS_BUCKETS
 
-EVENTS = Counter(
-    "headrace_events",
-    "Input events by outcome: prediction (status OK) or dead_letter.",
-    ["pipeline", "outcome"],
+OUTCOMES = Counter(
+    "headrace_outcomes",
+    "Input events by the outcome written for them: status OK, DEGRADED, SHED or DEAD_LETTER, "
+    "with the reason (empty for OK; the reason code for DEAD_LETTER). Reconciles with "
+    "`headrace audit`.",
+    ["pipeline", "status", "reason"],
+)
+SHED = Counter("headrace_shed_events", "Events answered SHED, by reason.", ["pipeline", "reason"])
+DEGRADED = Counter(
+    "headrace_degraded_events",
+    "Events answered DEGRADED, by the rung that answered (level) and reason.",
+    ["pipeline", "level", "reason"],
+)
+ESTIMATED_COMPLETION = Gauge(
+    "headrace_estimated_completion_seconds",
+    "The latest estimate, used by admission (at release) or before inference, of the "
+    "seconds until an answer is written, per path (full or fallback).",
+    ["pipeline", "path", "check"],
 )
 DEAD_LETTERS = Counter(
     "headrace_dead_letters", "Dead-lettered events by reason code.", ["pipeline", "reason"]
@@ -31,14 +45,15 @@ STAGE_SECONDS = Histogram(
 )
 END_TO_END_SECONDS = Histogram(
     "headrace_end_to_end_seconds",
-    "From the input record's Kafka timestamp to its outcome being acknowledged by Kafka.",
-    ["pipeline"],
+    "From the input record's Kafka timestamp to its outcome being acknowledged by Kafka, "
+    "by the outcome's status.",
+    ["pipeline", "status"],
     buckets=SECONDS_BUCKETS,
 )
 ADMISSION_LAG_SECONDS = Histogram(
     "headrace_admission_lag_seconds",
-    "From the input record's Kafka timestamp to its batch entering the pipeline "
-    "(time spent in Kafka, the consumer and the batcher).",
+    "Event-time lag at admission: from the input's Kafka timestamp to its batch being "
+    "admitted (time spent in Kafka, the consumer and the batcher).",
     ["pipeline"],
     buckets=SECONDS_BUCKETS,
 )
@@ -78,20 +93,40 @@ class PipelineMetrics:
     def __init__(self, pipeline: str) -> None:
         self.pipeline = pipeline
         self.admission_lag = ADMISSION_LAG_SECONDS.labels(pipeline)
-        self.end_to_end = END_TO_END_SECONDS.labels(pipeline)
         self.batch_size = BATCH_SIZE.labels(pipeline)
         self.stage = {
             stage: STAGE_SECONDS.labels(pipeline, stage)
             for stage in ("decode", "features", "inference", "encode", "publish")
         }
-        self.predictions = EVENTS.labels(pipeline, "prediction")
-        self.dead_letters = EVENTS.labels(pipeline, "dead_letter")
+        self._children: dict[tuple, object] = {}
 
-    def missing_features(self, view: str):
-        return MISSING_FEATURES.labels(self.pipeline, view)
+    def _child(self, metric, *labels: str):
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.pipeline, *labels)
+        return child
 
-    def dead_letter_reason(self, reason: str):
-        return DEAD_LETTERS.labels(self.pipeline, reason)
+    def end_to_end(self, status: str) -> Histogram:
+        return self._child(END_TO_END_SECONDS, status)
+
+    def missing_features(self, view: str) -> Counter:
+        return self._child(MISSING_FEATURES, view)
+
+    def dead_letter(self, reason: str) -> None:
+        self._child(DEAD_LETTERS, reason).inc()
+        self._child(OUTCOMES, "DEAD_LETTER", reason).inc()
+
+    def answered(self, status: str, level: str | None, reason: str | None, count: int) -> None:
+        """Count `count` events answered with `status` (not dead letters)."""
+        self._child(OUTCOMES, status, reason or "").inc(count)
+        if status == "SHED":
+            self._child(SHED, reason or "").inc(count)
+        elif status == "DEGRADED":
+            self._child(DEGRADED, level or "", reason or "").inc(count)
+
+    def estimate(self, path: str, check: str) -> Gauge:
+        return self._child(ESTIMATED_COMPLETION, path, check)
 
 
 def serve_metrics(port: int) -> None:

@@ -1,22 +1,29 @@
-"""The stages of one micro-batch: prepare (decode, validate, features), infer, publish.
+"""The stages of one micro-batch: prepare (decode, validate, admit, features), infer,
+publish.
 
-The stages are independent of Faust so that the runner can overlap them across
-batches and the benchmarks can drive them without a consumer. `publish` returns
-once every input of the batch has exactly one outcome durably written to Kafka (a
-prediction or a dead-letter record), and raises if it could not write them all:
-the caller must not acknowledge the batch then.
+`prepare` decides each event's route (`streams/admission.py`) before any feature or
+model work is spent on it; `infer` checks the full-path events again and runs the
+full and the fallback model once each. The stages are independent of Faust so that
+the runner can overlap them across batches and the benchmarks can drive them
+without a consumer. `publish` returns once every input of the batch has exactly one
+outcome durably written to Kafka (an OK, DEGRADED or SHED answer, or a dead-letter
+record), and raises if it could not write them all: the caller must not acknowledge
+the batch then. Outcome counters move only after that.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from features.cache import FeatureCache
 from features.lookup import FeatureLookup, FeatureRows
 from models.errors import ModelError
 from models.pool import SessionPool
@@ -25,7 +32,9 @@ from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import DecodeError
 from schemas.validation import validate_transaction
 from streams import metrics
+from streams.admission import Admission, Estimates, Ladder, Route
 from streams.config import PipelineConfig
+from streams.errors import ConfigError
 from streams.publisher import OutRecord, Publisher
 
 log = logging.getLogger(__name__)
@@ -41,19 +50,70 @@ class InputRecord:
     timestamp_ms: int
     key: bytes | None
     value: bytes | None
+    headers: Sequence[tuple[str, bytes]] = ()
+
+
+@dataclass
+class Admitted:
+    """A decoded input of a batch and how it will be answered."""
+
+    record: InputRecord
+    event: dict[str, Any]
+    deadline_s: float
+    priority: int
+    route: Route
+    reason: str | None
+    cache_key: tuple
+    cached_score: float | None
+    row: int | None = None
+    """Its row in the batch's feature rows, where it needed store features."""
+    score: float = math.nan
 
 
 @dataclass
 class Prepared:
-    """A batch after decoding and the feature read, ready for the model."""
+    """A batch after decoding, admission and the feature read, ready for the models."""
 
     records: Sequence[InputRecord]
     outcomes: list[OutRecord | None]
-    """Dead letters in place; None where a prediction will go."""
-    events: list[dict[str, Any]] = field(default_factory=list)
-    scored: list[InputRecord] = field(default_factory=list)
+    """Dead letters in place; None where an answer will go."""
+    dead: list[tuple[InputRecord, str]] = field(default_factory=list)
+    """The dead-lettered inputs with their reason codes."""
+    admitted: list[Admitted] = field(default_factory=list)
     rows: FeatureRows | None = None
     timings: dict[str, int] = field(default_factory=dict)
+    inference_us: dict[Route, int] = field(default_factory=dict)
+
+    def count(self, route: Route) -> int:
+        return sum(1 for item in self.admitted if item.route is route)
+
+
+class _Model:
+    """A session pool and where each of its inputs comes from."""
+
+    def __init__(
+        self, pool: SessionPool, feature_refs: Sequence[str], event_fields: Sequence[str]
+    ) -> None:
+        self.pool = pool
+        self.metadata = pool.metadata
+        self.columns = _column_sources(pool.metadata, feature_refs, event_fields)
+        self.needs_store = any(source == "store" for source, _ in self.columns)
+        self.defaults = np.asarray(pool.metadata.feature_defaults, dtype=np.float32)
+
+    def assemble(self, items: Sequence[Admitted], rows: FeatureRows | None) -> np.ndarray:
+        """The float32 model input; NaN (missing store values) becomes the model's default."""
+        matrix = np.empty((len(items), len(self.columns)), dtype=np.float32)
+        if self.needs_store:
+            picked = np.fromiter((item.row for item in items), dtype=np.intp, count=len(items))
+        for column, (source, name) in enumerate(self.columns):
+            if source == "store":
+                matrix[:, column] = rows.columns[name][picked]
+            else:
+                matrix[:, column] = [item.event[name] for item in items]
+        missing = np.isnan(matrix)
+        if missing.any():
+            matrix[missing] = np.broadcast_to(self.defaults, matrix.shape)[missing]
+        return matrix
 
 
 class Pipeline:
@@ -66,6 +126,8 @@ class Pipeline:
         model: SessionPool,
         publisher: Publisher,
         event_fields: Sequence[str],
+        fallback: SessionPool | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.model = model
@@ -73,30 +135,62 @@ class Pipeline:
         self._encoder = encoder
         self._lookup = lookup
         self._publisher = publisher
-        self._metrics = metrics.PipelineMetrics(config.name)
-        self._columns = _column_sources(model.metadata, lookup.feature_refs, event_fields)
-        self._defaults = np.asarray(model.metadata.feature_defaults, dtype=np.float32)
+        self._clock = clock
+        self.metrics = metrics.PipelineMetrics(config.name)
+        self._full = _Model(model, lookup.feature_refs, event_fields)
+        self._fallback = _Model(fallback, lookup.feature_refs, event_fields) if fallback else None
+        for role, name in (
+            ("event_time_field", config.event_time_field),
+            ("priority.field", config.priority.field),
+        ):
+            if name is not None and name not in event_fields:
+                raise ConfigError(
+                    f"pipeline {config.name}: {role} {name!r} is not a field of the input "
+                    f"schema (fields: {list(event_fields)})"
+                )
+        degradation = config.degradation
+        self._budget_s = config.latency_budget_ms / 1000
+        self.admission = Admission(
+            self._budget_s,
+            config.priority.budget_shares,
+            Ladder(
+                fallback_model=fallback is not None,
+                answer_cache=degradation.answer_cache.max_entries > 0,
+                default_answer=degradation.default_score is not None,
+            ),
+        )
+        # An identical input: the same entity keys and the same event inputs of the model.
+        event_inputs = [name for source, name in self._full.columns if source == "event"]
+        self._answer_fields = tuple(dict.fromkeys([*config.entity_fields.values(), *event_inputs]))
+        # The feature cache's LRU and age bound serve answers too (value: the score).
+        self._answers = FeatureCache(
+            degradation.answer_cache.max_entries, degradation.answer_cache.max_age_s, clock
+        )
 
-    async def prepare(self, records: Sequence[InputRecord]) -> Prepared:
-        """Decode and validate (bad inputs become dead letters), then read features."""
-        measure = self._metrics
+    async def prepare(self, records: Sequence[InputRecord], estimates: Estimates) -> Prepared:
+        """Decode and validate (bad inputs become dead letters), decide each event's route
+        from its deadline and `estimates`, then read features for those that need them."""
+        measure = self.metrics
         started = time.perf_counter()
-        admitted_ms = time.time() * 1000
+        now_s = self._clock()
         prepared = Prepared(records, [None] * len(records))
         for index, record in enumerate(records):
-            measure.admission_lag.observe(max(0.0, admitted_ms - record.timestamp_ms) / 1000)
+            measure.admission_lag.observe(max(0.0, now_s - record.timestamp_ms / 1000))
             try:
                 event = self._decoder.decode(record.value)
                 validate_transaction(event)
             except DecodeError as exc:
                 prepared.outcomes[index] = self._dead_letter(record, exc)
+                prepared.dead.append((record, exc.reason))
                 continue
-            prepared.events.append(event)
-            prepared.scored.append(record)
+            prepared.admitted.append(self._admit(record, event, now_s, estimates))
         decoded = time.perf_counter()
         measure.stage["decode"].observe(decoded - started)
-        if prepared.events:
-            prepared.rows = await self._lookup.fetch(prepared.events)
+        needing = [item for item in prepared.admitted if self._needs_store(item.route)]
+        if needing:
+            for row, item in enumerate(needing):
+                item.row = row
+            prepared.rows = await self._lookup.fetch([item.event for item in needing])
         fetched = time.perf_counter()
         measure.stage["features"].observe(fetched - decoded)
         prepared.timings = {
@@ -106,26 +200,77 @@ class Pipeline:
         }
         return prepared
 
-    async def infer(self, prepared: Prepared) -> np.ndarray:
-        """Scores of the prepared events (one model run for the whole batch)."""
-        if not prepared.events:
-            return np.empty(0, dtype=np.float32)
-        started = time.perf_counter()
-        scores = await self.model.predict(self._assemble(prepared.events, prepared.rows))
-        seconds = time.perf_counter() - started
-        self._metrics.stage["inference"].observe(seconds)
-        prepared.timings["inference_us"] = int(seconds * 1_000_000)
-        return scores
+    def _admit(
+        self, record: InputRecord, event: dict[str, Any], now_s: float, estimates: Estimates
+    ) -> Admitted:
+        time_field = self.config.event_time_field
+        event_time_ms = event[time_field] if time_field else record.timestamp_ms
+        deadline_s = event_time_ms / 1000 + self._budget_s
+        priority = self._priority(record, event)
+        key = tuple(event[name] for name in self._answer_fields)
+        cached = self._answers.get(key) if self.admission.ladder.answer_cache else None
+        score = None if cached is None else cached[0]
+        decision = self.admission.decide(
+            deadline_s, priority, now_s, estimates, cached=score is not None
+        )
+        return Admitted(
+            record, event, deadline_s, priority, decision.route, decision.reason, key, score
+        )
 
-    async def publish(self, prepared: Prepared, scores: np.ndarray) -> None:
-        """Encode the predictions and write every outcome; returns once Kafka has them all."""
-        measure = self._metrics
+    def _priority(self, record: InputRecord, event: dict[str, Any]) -> int:
+        spec = self.config.priority
+        value: Any = None
+        if spec.header is not None:
+            for name, raw in record.headers:
+                if name == spec.header:
+                    value = raw
+        if value is None and spec.field is not None:
+            value = event.get(spec.field)
+        try:
+            return self.admission.clamp(int(value))
+        except (TypeError, ValueError):  # absent or not a number
+            return spec.default
+
+    def _needs_store(self, route: Route) -> bool:
+        if route is Route.FULL:
+            return True
+        return route is Route.FALLBACK and self._fallback.needs_store
+
+    async def infer(self, prepared: Prepared, estimates: Estimates) -> None:
+        """Check each full-path event against its deadline again (with `estimates` of the
+        rest of the path), then run the full and the fallback model, one run each."""
+        now_s = self._clock()
+        for item in prepared.admitted:
+            if item.route is not Route.FULL:
+                continue
+            decision = self.admission.decide(
+                item.deadline_s, item.priority, now_s, estimates, item.cached_score is not None
+            )
+            # Its features are already read, so the fallback model can take it whatever it reads.
+            item.route, item.reason = decision.route, decision.reason
+        runs = [(Route.FULL, self._full), (Route.FALLBACK, self._fallback)]
+        await asyncio.gather(*(self._run(prepared, route, model) for route, model in runs))
+
+    async def _run(self, prepared: Prepared, route: Route, model: _Model | None) -> None:
+        items = [item for item in prepared.admitted if item.route is route]
+        if not items:
+            return
         started = time.perf_counter()
-        outcomes = prepared.outcomes
-        if prepared.events:
-            prepared.timings.setdefault("inference_us", 0)
-            predictions = iter(self._encode(prepared, scores))
-            outcomes = [o if o is not None else next(predictions) for o in outcomes]
+        scores = await model.pool.predict(model.assemble(items, prepared.rows))
+        seconds = time.perf_counter() - started
+        if route is Route.FULL:
+            self.metrics.stage["inference"].observe(seconds)
+        prepared.inference_us[route] = int(seconds * 1_000_000)
+        for item, score in zip(items, scores.tolist(), strict=True):
+            item.score = score
+
+    async def publish(self, prepared: Prepared) -> None:
+        """Encode an answer for every admitted event and write every outcome; returns
+        once Kafka has them all."""
+        measure = self.metrics
+        started = time.perf_counter()
+        answers = iter(self._encode(prepared))
+        outcomes = [o if o is not None else next(answers) for o in prepared.outcomes]
         encoded = time.perf_counter()
         await self._publisher.publish(outcomes)
         published = time.perf_counter()
@@ -133,47 +278,57 @@ class Pipeline:
         measure.stage["encode"].observe(encoded - started)
         measure.stage["publish"].observe(published - encoded)
         measure.batch_size.observe(len(prepared.records))
-        now_ms = time.time() * 1000
-        for record in prepared.records:
-            measure.end_to_end.observe(max(0.0, now_ms - record.timestamp_ms) / 1000)
-        dead = len(prepared.records) - len(prepared.events)
-        measure.predictions.inc(len(prepared.events))
-        measure.dead_letters.inc(dead)
+        self._count(prepared)
 
-    def _assemble(self, events: list[dict[str, Any]], rows: FeatureRows) -> np.ndarray:
-        """The float32 model input; NaN (missing store values) becomes the model's default."""
-        matrix = np.empty((len(events), len(self._columns)), dtype=np.float32)
-        for column, (source, name) in enumerate(self._columns):
-            if source == "store":
-                matrix[:, column] = rows.columns[name]
-            else:
-                matrix[:, column] = [event[name] for event in events]
-        missing = np.isnan(matrix)
-        if missing.any():
-            matrix[missing] = np.broadcast_to(self._defaults, matrix.shape)[missing]
-        return matrix
-
-    def _encode(self, prepared: Prepared, scores: np.ndarray) -> list[OutRecord]:
-        meta = self.model.metadata
-        timings = prepared.timings
+    def _encode(self, prepared: Prepared) -> list[OutRecord]:
+        timings = {
+            route: {**prepared.timings, "inference_us": prepared.inference_us.get(route, 0)}
+            for route in Route
+        }
+        missing_of = prepared.rows.missing_views if prepared.rows is not None else []
         out = []
-        for record, event, missing, score in zip(
-            prepared.scored, prepared.events, prepared.rows.missing_views, scores.tolist(),
-            strict=True,
-        ):  # fmt: skip
-            for view in missing:
-                self._metrics.missing_features(view).inc()
-            value = self._encoder.encode(
-                prediction(event, record, meta, score, list(missing), timings)
-            )
-            out.append(OutRecord(self.config.output_topic, record.key, value))
+        for item in prepared.admitted:
+            route = item.route
+            meta = self._fallback.metadata if route is Route.FALLBACK else self.model.metadata
+            score = {
+                Route.CACHED: item.cached_score,
+                Route.DEFAULT: self.config.degradation.default_score,
+            }.get(route, item.score)
+            missing = list(missing_of[item.row]) if item.row is not None else []
+            if route is Route.FULL:
+                for view in missing:
+                    self.metrics.missing_features(view).inc()
+            answer = prediction(item.event, item.record, meta, score, missing, timings[route])
+            if route is not Route.FULL:
+                answer.update(status=route.status, reason=item.reason, degraded_by=route.level)
+            value = self._encoder.encode(answer)
+            out.append(OutRecord(self.config.output_topic, item.record.key, value))
         return out
+
+    def _count(self, prepared: Prepared) -> None:
+        """Outcome counters and end-to-end latency, once the outcomes are written."""
+        measure = self.metrics
+        now_s = self._clock()
+        groups: dict[tuple[str, str | None, str | None], int] = {}
+        for item in prepared.admitted:
+            route = item.route
+            key = (route.status, route.level, item.reason)
+            groups[key] = groups.get(key, 0) + 1
+            measure.end_to_end(route.status).observe(
+                max(0.0, now_s - item.record.timestamp_ms / 1000)
+            )
+            if route is Route.FULL and self.admission.ladder.answer_cache:
+                self._answers.put(item.cache_key, item.score, 0.0)
+        for (status, level, reason), count in groups.items():
+            measure.answered(status, level, reason, count)
+        for record, reason in prepared.dead:
+            measure.dead_letter(reason)
+            measure.end_to_end("DEAD_LETTER").observe(max(0.0, now_s - record.timestamp_ms / 1000))
 
     def _dead_letter(self, record: InputRecord, error: DecodeError) -> OutRecord:
         log.warning(
             "dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, error
         )
-        self._metrics.dead_letter_reason(error.reason).inc()
         headers = [
             ("headrace.error.reason", error.reason.encode()),
             ("headrace.error.message", str(error).encode()),
@@ -206,6 +361,7 @@ def prediction(
         "label": score >= meta.threshold,
         "status": "OK",
         "reason": None,
+        "degraded_by": None,
         "missing_features": missing_views,
         "timings": timings,
     }

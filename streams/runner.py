@@ -3,6 +3,11 @@
     consumer ──submit──► MicroBatcher ──► prepare ──► infer ──► publish ──► ack
                           (in-flight bound: pause fetching at `high`, resume at `low`)
 
+Admission needs to know how long the rest of the path takes: the runner measures,
+for batches with full-model work and for batches without ("light"), the seconds from
+release to acknowledgement and from the start of inference to acknowledgement, and
+hands their recent high quantiles to `prepare` and `infer`.
+
 While batch k is in the model, batch k+1 reads its features and batch k-1 is being
 published. Batches leave every stage in the order they entered, so outputs keep the
 order of their inputs per key, and acknowledgements happen in offset order per
@@ -21,12 +26,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import numpy as np
-
 from features.errors import FeatureStoreError
 from models.errors import ModelError
 from schemas.errors import RegistryError
 from streams import metrics
+from streams.admission import Estimates, RecentTimes, Route
 from streams.batching import BatchPolicy, MicroBatcher
 from streams.errors import PublishError
 from streams.flow import InFlight
@@ -46,6 +50,19 @@ class _Batch:
     records: list[InputRecord]
     handles: list[Any]
     released: float = field(default_factory=time.monotonic)
+    inferring: float = 0.0
+
+
+class _PathTimes:
+    """Recent completion times of one path, from release and from the start of inference."""
+
+    def __init__(self) -> None:
+        self.from_release = RecentTimes()
+        self.from_inference = RecentTimes()
+
+    def observe(self, batch: _Batch, done: float) -> None:
+        self.from_release.observe(done - batch.released, done)
+        self.from_inference.observe(done - batch.inferring, done)
 
 
 class PipelineRunner:
@@ -76,6 +93,9 @@ class PipelineRunner:
         self._inference_wait = metrics.QUEUE_SECONDS.labels(self._name, "inference")
         self._publish_wait = metrics.QUEUE_SECONDS.labels(self._name, "publish")
         self._retries = metrics.RETRIES.labels(self._name)
+        self._full = _PathTimes()
+        self._light = _PathTimes()
+        self._metrics = pipeline.metrics
 
     def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
         """Hand consumed records over, each with the handle the ack callback receives."""
@@ -116,8 +136,9 @@ class PipelineRunner:
             items = await self._batcher.next_batch()
             self._target_size.set(self._batcher.target_size())
             batch = _Batch([record for record, _ in items], [handle for _, handle in items])
+            estimates = self._estimates("admission")
             prepare = asyncio.create_task(
-                self._retrying(batch, "features", self.pipeline.prepare, batch.records)
+                self._retrying(batch, "features", self.pipeline.prepare, batch.records, estimates)
             )
             await self._to_infer.put((batch, prepare, time.monotonic()))
 
@@ -125,31 +146,47 @@ class PipelineRunner:
         while True:
             batch, prepare, queued = await self._to_infer.get()
             prepared: Prepared = await prepare
-            self._inference_wait.observe(time.monotonic() - queued)
-            scores = asyncio.create_task(
-                self._retrying(batch, "inference", self.pipeline.infer, prepared)
+            batch.inferring = time.monotonic()
+            self._inference_wait.observe(batch.inferring - queued)
+            inference = asyncio.create_task(
+                self._retrying(
+                    batch, "inference", self.pipeline.infer, prepared, self._estimates("inference")
+                )
             )
-            await self._to_publish.put((batch, prepared, scores, time.monotonic()))
+            await self._to_publish.put((batch, prepared, inference, time.monotonic()))
 
     async def _publish(self) -> None:
         while True:
-            batch, prepared, scores_task, queued = await self._to_publish.get()
-            scores: np.ndarray = await scores_task
+            batch, prepared, inference, queued = await self._to_publish.get()
+            await inference
             self._publish_wait.observe(time.monotonic() - queued)
             started = time.monotonic()
-            await self._retrying(batch, "publish", self.pipeline.publish, prepared, scores)
+            await self._retrying(batch, "publish", self.pipeline.publish, prepared)
             self._ack(batch.handles)
             done = time.monotonic()
             size = len(batch.records)
             timings = prepared.timings
             slowest_us = max(
                 timings["decode_us"] + timings["features_us"],
-                timings.get("inference_us", 0),
+                max(prepared.inference_us.values(), default=0),
                 (done - started) * 1_000_000,
             )
             self.policy.stage_times.observe(size, slowest_us / 1_000_000)
             self.policy.completion_times.observe(size, done - batch.released)
+            (self._full if prepared.count(Route.FULL) else self._light).observe(batch, done)
             await self.in_flight.done(size)
+
+    def _estimates(self, check: str) -> Estimates:
+        """Conservative seconds to an answer for a batch entering `check` (admission or
+        inference) now. Events sent to the fallback model are late ones, which mostly
+        fill batches without full-model work, so the light path's time is theirs."""
+        now = time.monotonic()
+        window = "from_release" if check == "admission" else "from_inference"
+        full_s = getattr(self._full, window).bound(now)
+        fallback_s = getattr(self._light, window).bound(now)
+        self._metrics.estimate("full", check).set(full_s)
+        self._metrics.estimate("fallback", check).set(fallback_s)
+        return Estimates(full_s=full_s, fallback_s=fallback_s)
 
     async def _retrying(self, batch: _Batch, stage: str, step: Callable[..., Awaitable], *args):
         for attempt, delay_s in enumerate((*RETRY_DELAYS_S, None), start=1):

@@ -34,7 +34,7 @@ from schemas.catalogue import load_schema, open_catalogue
 from schemas.codec import AvroDecoder, AvroEncoder
 from streams import metrics
 from streams.batching import BatchPolicy, ServiceTimes
-from streams.config import HeadraceConfig, PipelineConfig
+from streams.config import HeadraceConfig, ModelConfig, PipelineConfig
 from streams.errors import ConfigError
 from streams.flow import InFlight
 from streams.pipeline import InputRecord, Pipeline
@@ -56,14 +56,12 @@ def build_pipelines(
     event_fields = [f["name"] for f in load_schema("transaction.avsc")["fields"]]
     pipelines = []
     for spec in config.pipelines:
-        pool = SessionPool(
-            spec.model.path,
-            cpu_sessions=spec.model.cpu_sessions,
-            cuda_sessions=spec.model.cuda_sessions,
-            intra_op_threads=spec.model.intra_op_threads,
-            batch_sizes=warmup_sizes(spec.max_batch_size),
-        )
+        pool = _session_pool(spec.model, spec.max_batch_size)
         resources.callback(pool.close)
+        fallback = None
+        if spec.degradation.fallback_model is not None:
+            fallback = _session_pool(spec.degradation.fallback_model, spec.max_batch_size)
+            resources.callback(fallback.close)
         lookup = FeatureLookup(
             store,
             spec.feature_service,
@@ -80,18 +78,30 @@ def build_pipelines(
                 pool,
                 publisher,
                 event_fields,
+                fallback,
             )
         )
         log.info(
-            "pipeline %s: %s -> %s, model %s v%s, sessions %s",
+            "pipeline %s: %s -> %s, model %s v%s, sessions %s, fallback %s",
             spec.name,
             spec.input_topic,
             spec.output_topic,
             pool.metadata.name,
             pool.metadata.version,
             pool.providers,
+            f"{fallback.metadata.name} v{fallback.metadata.version}" if fallback else "none",
         )
     return pipelines
+
+
+def _session_pool(spec: ModelConfig, max_batch_size: int) -> SessionPool:
+    return SessionPool(
+        spec.path,
+        cpu_sessions=spec.cpu_sessions,
+        cuda_sessions=spec.cuda_sessions,
+        intra_op_threads=spec.intra_op_threads,
+        batch_sizes=warmup_sizes(max_batch_size),
+    )
 
 
 def batch_policy(spec: PipelineConfig) -> BatchPolicy:
@@ -204,7 +214,16 @@ def _input_record(message) -> InputRecord:
         timestamp_ms=round(message.timestamp * 1000),
         key=message.key,
         value=message.value,
+        headers=_headers(message.headers),
     )
+
+
+def _headers(headers) -> tuple[tuple[str, bytes], ...]:
+    # Faust passes aiokafka's (name, value) pairs, or a mapping where it built the message.
+    if not headers:
+        return ()
+    pairs = headers.items() if hasattr(headers, "items") else headers
+    return tuple((name, value) for name, value in pairs)
 
 
 def check_topics(config: HeadraceConfig) -> None:

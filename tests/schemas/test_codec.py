@@ -21,6 +21,7 @@ EVENT = {
     "hour_of_day": 3,
     "is_online": True,
     "event_time_ms": 1_700_000_000_000,
+    "priority": None,
 }
 
 
@@ -37,7 +38,7 @@ def decoder() -> AvroDecoder:
 def test_round_trip_with_confluent_framing(encoder, decoder):
     raw = encoder.encode(EVENT)
     assert raw[0] == 0
-    assert struct.unpack(">I", raw[1:5])[0] == 1
+    assert struct.unpack(">I", raw[1:5])[0] == 3
     assert decoder.decode(raw) == EVENT
 
 
@@ -86,7 +87,7 @@ def test_trailing_bytes_mean_the_wrong_schema(encoder, decoder):
 
 
 def test_record_of_another_schema_is_rejected(decoder):
-    prediction_framed = b"\x00" + struct.pack(">I", 2) + b"\x02a"
+    prediction_framed = b"\x00" + struct.pack(">I", 4) + b"\x02a"
     with pytest.raises(DecodeError) as caught:
         decoder.decode(prediction_framed)
     assert caught.value.reason in {"incompatible_schema", "truncated", "corrupt"}
@@ -99,7 +100,20 @@ def test_unknown_id_names_where_it_looked(decoder):
 
 
 def test_local_catalogue_ids_are_stable():
-    assert LOCAL_IDS == {1: "transaction.avsc", 2: "prediction.avsc"}
+    assert LOCAL_IDS == {
+        1: "history/transaction-1.avsc",
+        2: "history/prediction-1.avsc",
+        3: "transaction.avsc",
+        4: "prediction.avsc",
+    }
+
+
+def test_events_written_with_the_first_schema_still_decode(decoder):
+    first = AvroEncoder(LocalCatalogue(), "history/transaction-1.avsc", "t-value")
+    before_priorities = {k: v for k, v in EVENT.items() if k != "priority"}
+    framed = first.encode(before_priorities)
+    assert framed[1:5] == struct.pack(">I", 1)
+    assert decoder.decode(framed) == EVENT
 
 
 @pytest.mark.parametrize(

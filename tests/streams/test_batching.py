@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from streams.batching import BatchPolicy, MicroBatcher, ServiceTimes
+from streams.batching import MAX_EXPIRED_BATCH, BatchPolicy, MicroBatcher, ServiceTimes
 
 
 class FakeClock:
@@ -66,6 +66,19 @@ def test_the_wait_counts_from_the_first_event_not_the_last():
     clock.advance(0.008)
     b.put([2], far_deadlines(clock, 1))
     assert b.ready() == pytest.approx(0.002, abs=1e-6)
+
+
+def test_a_backlog_past_its_deadline_leaves_in_one_large_batch():
+    clock = FakeClock()
+    b = batcher(policy(max_batch_size=8), clock)
+    expired = [clock.wall - 1.0] * (MAX_EXPIRED_BATCH + 5)
+    b.put(list(range(len(expired))), expired)
+    b.put(["fresh"] * 3, far_deadlines(clock, 3))
+    assert b.ready() == 0.0
+    assert b.take() == list(range(MAX_EXPIRED_BATCH))
+    # The rest of the expired run, then the fresh events in batches of the usual size.
+    assert b.take() == list(range(MAX_EXPIRED_BATCH, MAX_EXPIRED_BATCH + 5))
+    assert b.take() == ["fresh"] * 3
 
 
 def test_deadline_pressure_releases_early():

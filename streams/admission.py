@@ -1,0 +1,149 @@
+"""Admission: which events the full model may still answer on time, and how the rest
+are answered (the degradation ladder).
+
+An event's deadline is its event time plus the pipeline's latency budget. Before any
+work is spent on it, and again before inference, the runner asks `Admission.decide`
+with a conservative estimate of how long the remaining path takes (`RecentTimes`). An
+event that cannot be answered in full goes down the ladder, in order:
+
+    fallback model  ->  cached answer  ->  default answer  ->  shed record
+
+The fallback model costs inference time, so it must still meet the deadline too; a
+cached or default answer costs nothing. Priorities: an event of priority `p` may use
+only `budget_shares[p]` of the budget, so under load the queue ahead of the model grows
+past what low priorities may wait and they degrade first, while high priorities keep
+their full budget. Pure logic with the clock passed in: tested without a broker.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class Route(enum.Enum):
+    """How one event is answered; `status` and `level` are what its outcome says."""
+
+    FULL = ("OK", None)
+    FALLBACK = ("DEGRADED", "fallback_model")
+    CACHED = ("DEGRADED", "cache")
+    DEFAULT = ("DEGRADED", "default")
+    SHED = ("SHED", None)
+
+    def __init__(self, status: str, level: str | None) -> None:
+        self.status = status
+        self.level = level
+
+
+# Why an event was not answered in full (the outcome's `reason`).
+DEADLINE_PASSED = "deadline_passed"
+"""Its deadline had already passed when it was considered (it waited in Kafka)."""
+DEADLINE_AT_RISK = "deadline_at_risk"
+"""The estimated completion of the full path lies beyond its deadline."""
+LOW_PRIORITY = "low_priority"
+"""It would have met its deadline, but not within the share of the budget its priority gets."""
+REASONS = (DEADLINE_PASSED, DEADLINE_AT_RISK, LOW_PRIORITY)
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """Which rungs below the full model a pipeline has configured."""
+
+    fallback_model: bool = False
+    answer_cache: bool = False
+    default_answer: bool = False
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """Conservative seconds from now until an answer is written, per path."""
+
+    full_s: float
+    fallback_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: Route
+    reason: str | None
+    """None for FULL; otherwise one of `REASONS`."""
+
+
+class Admission:
+    def __init__(self, budget_s: float, budget_shares: Sequence[float], ladder: Ladder) -> None:
+        if not budget_shares or not all(0 < share <= 1 for share in budget_shares):
+            raise ValueError(f"budget shares must be in (0, 1], got {list(budget_shares)}")
+        self.budget_s = budget_s
+        self.ladder = ladder
+        # Seconds an event of each priority must keep in hand before its deadline.
+        self._reserve_s = [budget_s * (1 - share) for share in budget_shares]
+
+    @property
+    def top_priority(self) -> int:
+        return len(self._reserve_s) - 1
+
+    def clamp(self, priority: int) -> int:
+        return min(max(priority, 0), self.top_priority)
+
+    def decide(
+        self, deadline_s: float, priority: int, now_s: float, estimates: Estimates, cached: bool
+    ) -> Decision:
+        """The route of one event. `priority` must be in range (see `clamp`); `cached`
+        says whether the answer cache holds a fresh answer for its input."""
+        left_s = deadline_s - now_s
+        usable_s = left_s - self._reserve_s[priority]
+        if usable_s >= estimates.full_s:
+            return Decision(Route.FULL, None)
+        if left_s <= 0:
+            reason = DEADLINE_PASSED
+        elif left_s >= estimates.full_s:
+            reason = LOW_PRIORITY
+        else:
+            reason = DEADLINE_AT_RISK
+        return Decision(self.degrade(usable_s, estimates.fallback_s, cached), reason)
+
+    def degrade(self, usable_s: float, fallback_s: float, cached: bool) -> Route:
+        """The first rung of the ladder that can answer, given the seconds left to use."""
+        if self.ladder.fallback_model and usable_s >= fallback_s:
+            return Route.FALLBACK
+        if self.ladder.answer_cache and cached:
+            return Route.CACHED
+        if self.ladder.default_answer:
+            return Route.DEFAULT
+        return Route.SHED
+
+    def usable_s(self, deadline_s: float, priority: int, now_s: float) -> float:
+        """Seconds an event may still spend before its priority's share of the budget ends."""
+        return deadline_s - now_s - self._reserve_s[priority]
+
+
+class RecentTimes:
+    """A high quantile of the durations measured in the last `window_s` seconds.
+
+    Deadlines need a bound, not a mean: an event admitted with a mean estimate misses
+    its deadline half the time when it is admitted at the edge, which is exactly
+    where overload puts it. The window also forgets: a stall does not keep shedding
+    long after it ended, and with nothing measured lately the estimate is 0, so the
+    next batch takes the full path and measures it again.
+    """
+
+    def __init__(self, window_s: float = 2.0, quantile: float = 0.95, max_samples: int = 256):
+        self.window_s = window_s
+        self.quantile = quantile
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def observe(self, seconds: float, now_s: float) -> None:
+        self._samples.append((now_s, seconds))
+
+    def bound(self, now_s: float) -> float:
+        """The quantile of recent durations; 0 when nothing was measured in the window."""
+        horizon = now_s - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+        if not self._samples:
+            return 0.0
+        durations = sorted(seconds for _, seconds in self._samples)
+        return durations[min(len(durations) - 1, math.ceil(self.quantile * len(durations)) - 1)]

@@ -1,0 +1,149 @@
+"""Admission and the degradation ladder, with a controlled clock and service times."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from streams.admission import (
+    DEADLINE_AT_RISK,
+    DEADLINE_PASSED,
+    LOW_PRIORITY,
+    Admission,
+    Estimates,
+    Ladder,
+    RecentTimes,
+    Route,
+)
+
+BUDGET_S = 0.100
+FULL_LADDER = Ladder(fallback_model=True, answer_cache=True, default_answer=True)
+
+
+def admission(ladder: Ladder = FULL_LADDER, shares=(0.5, 1.0)) -> Admission:
+    return Admission(BUDGET_S, shares, ladder)
+
+
+def decide(admit: Admission, left_s, priority=1, full_s=0.030, fallback_s=0.005, cached=False):
+    now = 1_000.0
+    return admit.decide(now + left_s, priority, now, Estimates(full_s, fallback_s), cached)
+
+
+def test_an_event_that_can_finish_in_time_takes_the_full_model():
+    decision = decide(admission(), left_s=0.080)
+    assert (decision.route, decision.reason) == (Route.FULL, None)
+
+
+def test_an_event_at_risk_goes_to_the_fallback_model_while_it_can_still_finish():
+    decision = decide(admission(), left_s=0.020)
+    assert (decision.route, decision.reason) == (Route.FALLBACK, DEADLINE_AT_RISK)
+
+
+def test_an_event_past_its_deadline_never_costs_inference():
+    decision = decide(admission(), left_s=-0.5, cached=True)
+    assert (decision.route, decision.reason) == (Route.CACHED, DEADLINE_PASSED)
+
+
+@pytest.mark.parametrize(
+    ("ladder", "cached", "route"),
+    [
+        (FULL_LADDER, True, Route.CACHED),
+        (FULL_LADDER, False, Route.DEFAULT),
+        (Ladder(answer_cache=True), True, Route.CACHED),
+        (Ladder(answer_cache=True), False, Route.SHED),
+        (Ladder(default_answer=True), True, Route.DEFAULT),
+        (Ladder(), True, Route.SHED),
+    ],
+)
+def test_the_ladder_is_tried_in_order_and_ends_in_a_shed_record(ladder, cached, route):
+    # Too late even for the fallback model (its run would take 5 ms, 2 ms are left).
+    assert decide(admission(ladder), left_s=0.002, cached=cached).route is route
+
+
+def test_a_low_priority_may_use_only_its_share_of_the_budget():
+    admit = admission(shares=(0.5, 1.0))
+    # 60 ms left, 30 ms needed: priority 1 fits; priority 0 must keep 50 ms in hand.
+    assert decide(admit, left_s=0.060, priority=1).route is Route.FULL
+    low = decide(admit, left_s=0.060, priority=0)
+    assert (low.route, low.reason) == (Route.FALLBACK, LOW_PRIORITY)
+    # ... and degrades further down the ladder, sooner than the high priority would.
+    assert decide(admit, left_s=0.052, priority=0, fallback_s=0.005).route is Route.DEFAULT
+    assert decide(admit, left_s=0.052, priority=1, fallback_s=0.005).route is Route.FULL
+
+
+def test_priorities_outside_the_configured_range_are_clamped():
+    admit = admission(shares=(0.5, 0.75, 1.0))
+    assert (admit.clamp(-3), admit.clamp(1), admit.clamp(99)) == (0, 1, 2)
+
+
+def test_budget_shares_must_be_fractions():
+    with pytest.raises(ValueError, match="shares"):
+        Admission(BUDGET_S, (0.0, 1.0), FULL_LADDER)
+
+
+def test_recent_times_bound_is_a_high_quantile_of_the_window():
+    times = RecentTimes(window_s=2.0, quantile=0.9)
+    assert times.bound(now_s=0.0) == 0.0  # nothing measured: optimistic, so it measures
+    for i in range(10):
+        times.observe(0.010 + i * 0.001, now_s=i * 0.1)
+    assert times.bound(now_s=1.0) == pytest.approx(0.018)
+    times.observe(0.500, now_s=1.0)  # a stall
+    assert times.bound(now_s=1.0) == pytest.approx(0.019)
+    times.observe(0.500, now_s=1.0)
+    assert times.bound(now_s=1.0) == pytest.approx(0.5)
+    # The stall is forgotten once it leaves the window.
+    times.observe(0.012, now_s=3.5)
+    assert times.bound(now_s=3.5) == pytest.approx(0.012)
+
+
+def simulate(offered_per_capacity: float, seconds: float = 20.0) -> dict:
+    """One server answering a FIFO queue at 3x its capacity, admission deciding each event.
+
+    The full model takes 10 ms per event; cheap answers take no time. Events arrive on a
+    fixed schedule, alternating priorities 0 and 1. Returns per priority the routes and
+    the latency of the full answers.
+    """
+    service_s = 0.010
+    gap_s = service_s / offered_per_capacity
+    admit = admission(Ladder(), shares=(0.5, 1.0))
+    times = RecentTimes(window_s=1.0)
+    arrivals = deque((i * gap_s, i % 2) for i in range(int(seconds / gap_s)))
+    now = 0.0
+    outcomes: dict = {0: [], 1: []}
+    while arrivals:
+        arrived, priority = arrivals.popleft()
+        now = max(now, arrived)
+        estimates = Estimates(times.bound(now), 0.0)
+        decision = admit.decide(arrived + BUDGET_S, priority, now, estimates, cached=False)
+        if decision.route is Route.FULL:
+            now += service_s
+            times.observe(service_s, now)
+            outcomes[priority].append(("OK", now - arrived))
+        else:
+            outcomes[priority].append((decision.route.status, None))
+    return outcomes
+
+
+def _ok_share(answers) -> float:
+    return sum(1 for status, _ in answers if status == "OK") / len(answers)
+
+
+def test_under_three_times_capacity_answers_in_full_stay_within_the_budget():
+    outcomes = simulate(offered_per_capacity=3.0)
+    latencies = [s for answers in outcomes.values() for status, s in answers if status == "OK"]
+    answered = sum(len(answers) for answers in outcomes.values())
+    assert max(latencies) <= BUDGET_S + 1e-9
+    # Capacity is a third of the offer: about that many are answered in full.
+    assert 0.28 <= len(latencies) / answered <= 0.34
+
+
+def test_under_overload_high_priority_is_served_first():
+    outcomes = simulate(offered_per_capacity=3.0)
+    assert _ok_share(outcomes[1]) >= 0.6
+    assert _ok_share(outcomes[0]) <= 0.1
+
+
+def test_below_capacity_everything_is_answered_in_full():
+    outcomes = simulate(offered_per_capacity=0.5)
+    assert _ok_share(outcomes[0]) == _ok_share(outcomes[1]) == 1.0
