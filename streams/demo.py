@@ -56,9 +56,8 @@ def sample_config(
 ) -> dict[str, Any]:
     """The sample fraud pipeline's config as a plain dict (what a YAML file would hold).
 
-    The fallback model defaults to the one `headrace models train` writes beside
-    `model_path`; `default_score` None leaves shedding as the ladder's last rung."""
-    fallback = fallback_model or fallback_path(model_path)
+    Without `fallback_model` and `default_score` the ladder has only the answer cache
+    above shedding."""
     config: dict[str, Any] = {
         "app_id": f"headrace{suffix}",
         "runtime": runtime,
@@ -80,7 +79,7 @@ def sample_config(
                 "max_wait_ms": max_wait_ms,
                 "priority": priority or {},
                 "degradation": {
-                    "fallback_model": {"path": str(fallback)},
+                    "fallback_model": {"path": str(fallback_model)} if fallback_model else None,
                     "default_score": default_score,
                 },
             }
@@ -165,7 +164,12 @@ def run_demo(
         config_file = state_dir / "headrace.yaml"
         config = write_config(
             sample_config(
-                broker.bootstrap_servers, repo, model, metrics_port=free_port(), runtime=runtime
+                broker.bootstrap_servers,
+                repo,
+                model,
+                metrics_port=free_port(),
+                runtime=runtime,
+                fallback_model=fallback_path(model),
             ),
             config_file,
         )

@@ -66,10 +66,14 @@ class SendReport:
     """Worst delay of an actual send behind its schedule."""
 
 
+# (key, value), or (key, value, headers).
+Record = tuple[bytes, bytes] | tuple[bytes, bytes, list[tuple[str, bytes]]]
+
+
 def send_at_rate(
     producer: Producer,
     topic: str,
-    records: Iterator[tuple[bytes, bytes]],
+    records: Iterator[Record],
     rate_per_s: float,
     duration_s: float,
     on_tick: Callable[[int], None] | None = None,
@@ -92,8 +96,7 @@ def send_at_rate(
         if sent < due:
             max_lag_s = max(max_lag_s, now - (start + sent / rate_per_s))
         while sent < due:
-            key, value = next(records)
-            _produce(producer, topic, key, value, start + sent / rate_per_s)
+            _produce(producer, topic, next(records), start + sent / rate_per_s)
             sent += 1
         producer.poll(0)
         if on_tick is not None and now >= next_tick:
@@ -106,10 +109,17 @@ def send_at_rate(
     return SendReport(total, start, time.time() - start, max_lag_s * 1000)
 
 
-def _produce(producer: Producer, topic: str, key: bytes, value: bytes, at_s: float) -> None:
+def _produce(producer: Producer, topic: str, record: Record, at_s: float) -> None:
+    key, value, *headers = record
     while True:
         try:
-            producer.produce(topic, value, key, timestamp=int(at_s * 1000))
+            producer.produce(
+                topic,
+                value,
+                key,
+                timestamp=int(at_s * 1000),
+                headers=headers[0] if headers else None,
+            )
             return
         except BufferError:
             producer.poll(0.01)

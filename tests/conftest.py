@@ -20,6 +20,7 @@ from infra.ports import free_port
 from infra.redis import RedisServer
 from infra.registry import SchemaRegistryServer
 from infra.topics import delete_topics
+from models.train import fallback_path
 from streams.config import HeadraceConfig
 from streams.demo import (
     prepare_sample_assets,
@@ -104,7 +105,8 @@ class Deployment:
 
 @pytest.fixture
 def deploy(kafka, sample_assets, tmp_path):
-    """Factory: `deploy(**sample_config overrides)` creates topics and writes the config."""
+    """Factory: `deploy(**sample_config overrides)` creates topics and writes the config
+    (with the sample fallback model unless overridden)."""
     created: list[str] = []
 
     def make(
@@ -114,6 +116,7 @@ def deploy(kafka, sample_assets, tmp_path):
         **overrides,
     ) -> Deployment:
         suffix = f"-{uuid.uuid4().hex[:8]}"
+        overrides.setdefault("fallback_model", fallback_path(sample_assets.model))
         raw = sample_config(
             kafka.bootstrap_servers,
             repo_path or sample_assets.repo,

@@ -11,6 +11,10 @@ from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
 from streams.loadgen import sample_events
 
+# For tests of the data path's correctness: a backlog produced before the worker starts
+# must be answered in full, not shed as late.
+PATIENT_BUDGET_MS = 600_000
+
 
 def produce_events(
     bootstrap: str, topic: str, world: SampleWorld, count: int, seed: int, prefix: str

@@ -16,6 +16,7 @@ from infra.ports import free_port
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
 from streams.loadgen import encoded, sample_events
+from tests.helpers import PATIENT_BUDGET_MS
 from tests.slow_model import write_slow_model
 from tests.streams.test_worker import collector_for
 
@@ -49,6 +50,7 @@ def test_a_burst_stays_bounded_and_is_answered_in_order(
         max_in_flight=MAX_IN_FLIGHT,
         max_batch_size=64,
         model_path=slow,
+        latency_budget_ms=PATIENT_BUDGET_MS,
     )
     spec = deployment.spec
     encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")

@@ -14,7 +14,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from schemas.catalogue import load_schema
 from streams.loadgen import sample_events
-from tests.helpers import wait_until
+from tests.helpers import PATIENT_BUDGET_MS, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ N_EVENTS = 100
 
 def test_events_serialized_through_the_registry_are_scored(deploy, kafka, registry,
                                                            sample_assets):  # fmt: skip
-    deployment = deploy(registry_url=registry.url)
+    deployment = deploy(registry_url=registry.url, latency_budget_ms=PATIENT_BUDGET_MS)
     spec = deployment.spec
     client = SchemaRegistryClient({"url": registry.url})
     serializer = AvroSerializer(client, json.dumps(load_schema("transaction.avsc")))

@@ -11,7 +11,7 @@ from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
 from streams.collector import OutcomeCollector
 from streams.loadgen import malformed_records
-from tests.helpers import committed_lag, produce_events, produce_raw, wait_until
+from tests.helpers import PATIENT_BUDGET_MS, committed_lag, produce_events, produce_raw, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,11 @@ def served(kafka, sample_assets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     config = write_config(
         sample_config(
-            kafka.bootstrap_servers, sample_assets.repo, sample_assets.model, suffix="-served"
+            kafka.bootstrap_servers,
+            sample_assets.repo,
+            sample_assets.model,
+            suffix="-served",
+            latency_budget_ms=PATIENT_BUDGET_MS,
         ),
         tmp / "headrace.yaml",
     )
@@ -175,7 +179,7 @@ def test_scores_equal_the_model_run_offline_on_the_same_features(served, sample_
 def test_predictions_from_redis_features_match_the_offline_computation(
     deploy, kafka, sample_assets, redis_repo
 ):
-    deployment = deploy(repo_path=redis_repo)
+    deployment = deploy(repo_path=redis_repo, latency_budget_ms=PATIENT_BUDGET_MS)
     spec = deployment.spec
     sent = produce_events(kafka.bootstrap_servers, spec.input_topic, sample_assets.world,
                           150, seed=8, prefix="redis")  # fmt: skip
@@ -200,7 +204,7 @@ def test_predictions_from_redis_features_match_the_offline_computation(
 def test_restart_resumes_from_committed_offsets_without_repeats(
     deploy, kafka, sample_assets, runtime
 ):
-    deployment = deploy(runtime=runtime)
+    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
     spec = deployment.spec
     first = produce_events(
         kafka.bootstrap_servers, spec.input_topic, sample_assets.world, 200, seed=5, prefix="first"
@@ -243,7 +247,7 @@ def test_restart_resumes_from_committed_offsets_without_repeats(
 def test_a_clean_stop_in_the_middle_of_a_backlog_repeats_nothing(
     deploy, kafka, sample_assets, runtime
 ):
-    deployment = deploy(runtime=runtime)
+    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
     spec = deployment.spec
     sent = produce_events(kafka.bootstrap_servers, spec.input_topic, sample_assets.world,
                           3000, seed=12, prefix="backlog")  # fmt: skip

@@ -1,0 +1,263 @@
+"""`headrace audit`: check that every consumed input has exactly one outcome.
+
+For each pipeline it reads the input topic up to the consumer group's committed
+offsets, and the output and dead-letter topics up to their ends, and matches the
+outcomes to the inputs by the (topic, partition, offset) each outcome names. It
+reports per input partition the inputs without an outcome, the inputs with more
+than one, and the outcomes per status; outcomes of offsets at or past the committed
+one (in flight, or written before a crash) are counted apart, they are not errors.
+The worker's `headrace_outcomes_total` counters reconcile with these totals.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from confluent_kafka import OFFSET_INVALID, Consumer, Message, TopicPartition
+
+from schemas.catalogue import open_catalogue
+from schemas.codec import AvroDecoder
+from schemas.errors import DecodeError
+from streams.config import HeadraceConfig, PipelineConfig
+from streams.errors import HeadraceError
+
+STATUSES = ("OK", "DEGRADED", "SHED", "DEAD_LETTER")
+_SHOWN_OFFSETS = 10
+
+
+class AuditError(HeadraceError):
+    """The topics could not be read completely."""
+
+
+@dataclass
+class PartitionAudit:
+    partition: int
+    committed: int
+    """The group's committed offset: inputs below it must have exactly one outcome."""
+    inputs: int = 0
+    missing: list[int] = field(default_factory=list)
+    """Offsets of committed inputs without an outcome."""
+    duplicated: list[int] = field(default_factory=list)
+    """Offsets of committed inputs with more than one outcome."""
+    outcomes: Counter = field(default_factory=Counter)
+    """Outcomes of the committed inputs, by status."""
+    uncommitted: int = 0
+    """Outcomes of offsets at or past the committed one."""
+
+
+@dataclass
+class PipelineAudit:
+    pipeline: str
+    input_topic: str
+    partitions: list[PartitionAudit]
+    unreadable_outputs: int = 0
+    """Records of the output topic that are not readable predictions."""
+
+    @property
+    def missing(self) -> int:
+        return sum(len(p.missing) for p in self.partitions)
+
+    @property
+    def duplicated(self) -> int:
+        return sum(len(p.duplicated) for p in self.partitions)
+
+    @property
+    def inputs(self) -> int:
+        return sum(p.inputs for p in self.partitions)
+
+    @property
+    def outcomes(self) -> Counter:
+        return sum((p.outcomes for p in self.partitions), Counter())
+
+    @property
+    def exact(self) -> bool:
+        return self.missing == 0 and self.duplicated == 0
+
+    def as_dict(self) -> dict:
+        return {
+            "pipeline": self.pipeline,
+            "input_topic": self.input_topic,
+            "inputs": self.inputs,
+            "missing": self.missing,
+            "duplicated": self.duplicated,
+            "outcomes": {status: self.outcomes[status] for status in STATUSES},
+            "unreadable_outputs": self.unreadable_outputs,
+            "partitions": [
+                {
+                    "partition": p.partition,
+                    "committed": p.committed,
+                    "inputs": p.inputs,
+                    "missing": len(p.missing),
+                    "duplicated": len(p.duplicated),
+                    "first_missing": p.missing[:_SHOWN_OFFSETS],
+                    "first_duplicated": p.duplicated[:_SHOWN_OFFSETS],
+                    "outcomes": {status: p.outcomes[status] for status in STATUSES},
+                    "uncommitted": p.uncommitted,
+                }
+                for p in self.partitions
+            ],
+        }
+
+
+def audit(config: HeadraceConfig, timeout_s: float = 120.0) -> list[PipelineAudit]:
+    """Audit every pipeline of `config`; blocks while it reads the topics."""
+    decoder = AvroDecoder(
+        open_catalogue(config.registry.url if config.registry else None), "prediction.avsc"
+    )
+    return [
+        _audit_pipeline(config.broker.bootstrap_servers, config.app_id, spec, decoder, timeout_s)
+        for spec in config.pipelines
+    ]
+
+
+def _audit_pipeline(
+    bootstrap: str, group: str, spec: PipelineConfig, decoder: AvroDecoder, timeout_s: float
+) -> PipelineAudit:
+    committed = _committed(bootstrap, group, spec.input_topic)
+    # (partition, offset) -> statuses of the outcomes naming it.
+    answers: dict[tuple[int, int], list[str]] = {}
+    unreadable = 0
+
+    def on_output(message: Message) -> None:
+        nonlocal unreadable
+        try:
+            answer = decoder.decode(message.value())
+        except DecodeError:
+            unreadable += 1
+            return
+        if answer["input_topic"] == spec.input_topic:
+            where = (answer["input_partition"], answer["input_offset"])
+            answers.setdefault(where, []).append(answer["status"])
+
+    def on_dead_letter(message: Message) -> None:
+        headers = {name: value.decode() for name, value in message.headers() or []}
+        if headers.get("headrace.input.topic") == spec.input_topic:
+            where = (
+                int(headers["headrace.input.partition"]),
+                int(headers["headrace.input.offset"]),
+            )
+            answers.setdefault(where, []).append("DEAD_LETTER")
+
+    deadline = time.monotonic() + timeout_s
+    _read(bootstrap, spec.output_topic, None, on_output, deadline)
+    _read(bootstrap, spec.dead_letter_topic, None, on_dead_letter, deadline)
+
+    partitions = {p: PartitionAudit(p, offset) for p, offset in committed.items()}
+
+    def on_input(message: Message) -> None:
+        found = partitions[message.partition()]
+        found.inputs += 1
+        statuses = answers.pop((message.partition(), message.offset()), [])
+        if not statuses:
+            found.missing.append(message.offset())
+        elif len(statuses) > 1:
+            found.duplicated.append(message.offset())
+        found.outcomes.update(statuses)
+
+    _read(bootstrap, spec.input_topic, committed, on_input, deadline)
+    # What is left answers inputs not read above: past the committed offsets.
+    for (partition, _offset), statuses in answers.items():
+        if partition in partitions:
+            partitions[partition].uncommitted += len(statuses)
+    return PipelineAudit(spec.name, spec.input_topic, list(partitions.values()), unreadable)
+
+
+def _committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offset per partition of `topic` (the low watermark if none)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        partitions = _partitions(consumer, topic)
+        offsets = {}
+        for tp in consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=30):
+            low, _high = consumer.get_watermark_offsets(tp, timeout=30)
+            offsets[tp.partition] = low if tp.offset == OFFSET_INVALID else max(tp.offset, low)
+        return offsets
+    finally:
+        consumer.close()
+
+
+def _partitions(consumer: Consumer, topic: str) -> list[int]:
+    metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
+    if metadata is None or metadata.error is not None or not metadata.partitions:
+        raise AuditError(f"topic {topic!r} does not exist; hint: check the config's topic names")
+    return sorted(metadata.partitions)
+
+
+def _read(
+    bootstrap: str,
+    topic: str,
+    ends: dict[int, int] | None,
+    handle: Callable[[Message], None],
+    deadline: float,
+) -> None:
+    """Hand every record of `topic` below `ends` (default: the current end) to `handle`."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"headrace-audit-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        starts, stops = {}, {}
+        for partition in _partitions(consumer, topic):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), 30)
+            starts[partition] = low
+            stops[partition] = high if ends is None else min(ends.get(partition, low), high)
+        pending = {p for p in starts if stops[p] > starts[p]}
+        consumer.assign([TopicPartition(topic, p, starts[p]) for p in pending])
+        while pending:
+            if time.monotonic() > deadline:
+                raise AuditError(
+                    f"timed out reading {topic!r}; partitions {sorted(pending)} not read to the end"
+                )
+            for message in consumer.consume(1000, 0.5):
+                if message.error():
+                    continue
+                partition, offset = message.partition(), message.offset()
+                if offset < stops[partition]:
+                    handle(message)
+                if offset >= stops[partition] - 1:
+                    pending.discard(partition)
+    finally:
+        consumer.close()
+
+
+def format_report(audits: list[PipelineAudit]) -> str:
+    """A plain-text table per pipeline, then a verdict line."""
+    lines = []
+    header = ("partition", "committed", "inputs", "missing", "duplicated", *STATUSES, "uncommitted")
+    for found in audits:
+        lines.append(f"pipeline {found.pipeline} (input {found.input_topic})")
+        rows = [header]
+        for p in found.partitions:
+            rows.append(
+                (p.partition, p.committed, p.inputs, len(p.missing), len(p.duplicated),
+                 *(p.outcomes[s] for s in STATUSES), p.uncommitted)
+            )  # fmt: skip
+        totals = found.outcomes
+        rows.append(
+            ("total", "", found.inputs, found.missing, found.duplicated,
+             *(totals[s] for s in STATUSES), sum(p.uncommitted for p in found.partitions))
+        )  # fmt: skip
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+        lines += ["  " + "  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True))
+                  for row in rows]  # fmt: skip
+        for p in found.partitions:
+            if p.missing:
+                lines.append(f"  partition {p.partition}: no outcome for offsets {p.missing[:10]}")
+            if p.duplicated:
+                lines.append(f"  partition {p.partition}: several for offsets {p.duplicated[:10]}")
+        if found.unreadable_outputs:
+            lines.append(f"  {found.unreadable_outputs} unreadable records in the output topic")
+    exact = all(found.exact for found in audits)
+    lines.append(
+        "every committed input has exactly one outcome"
+        if exact
+        else "NOT EXACT: inputs without an outcome or with more than one (see above)"
+    )
+    return "\n".join(lines)
