@@ -20,8 +20,10 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from streams.batching import size_bucket
 
 
 class Route(enum.Enum):
@@ -59,10 +61,12 @@ class Ladder:
 
 @dataclass(frozen=True)
 class Estimates:
-    """Conservative seconds from now until an answer is written, per path."""
+    """Conservative seconds from now until a batch's answers are written."""
 
-    full_s: float
+    full_s: Callable[[int], float]
+    """For a batch with this many events for the full model."""
     fallback_s: float
+    """For a batch without full-model work (the fallback model's path)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,17 @@ class Decision:
     route: Route
     reason: str | None
     """None for FULL; otherwise one of `REASONS`."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What admission needs to know of one event."""
+
+    deadline_s: float
+    priority: int
+    """In range (see `Admission.clamp`)."""
+    cached: bool
+    """Whether the answer cache holds a fresh answer for its input."""
 
 
 class Admission:
@@ -89,23 +104,37 @@ class Admission:
         return min(max(priority, 0), self.top_priority)
 
     def decide(
-        self, deadline_s: float, priority: int, now_s: float, estimates: Estimates, cached: bool
-    ) -> Decision:
-        """The route of one event. `priority` must be in range (see `clamp`); `cached`
-        says whether the answer cache holds a fresh answer for its input."""
-        left_s = deadline_s - now_s
-        usable_s = left_s - self._reserve_s[priority]
-        if usable_s >= estimates.full_s:
-            return Decision(Route.FULL, None)
-        if left_s <= 0:
-            reason = DEADLINE_PASSED
-        elif left_s >= estimates.full_s:
-            reason = LOW_PRIORITY
-        else:
-            reason = DEADLINE_AT_RISK
-        return Decision(self.degrade(usable_s, estimates.fallback_s, cached), reason)
+        self, candidates: Sequence[Candidate], now_s: float, estimates: Estimates
+    ) -> list[Decision]:
+        """The route of each event of one batch, in the batch's order.
 
-    def degrade(self, usable_s: float, fallback_s: float, cached: bool) -> Route:
+        Each event the full model takes makes the batch slower for all of them, so an
+        event is taken only if every event taken so far, and itself, can still finish
+        in time with one more in the batch.
+        """
+        decisions = []
+        taken = 0
+        tightest_s = math.inf  # the least usable time among the events taken
+        for candidate in candidates:
+            left_s = candidate.deadline_s - now_s
+            usable_s = left_s - self._reserve_s[candidate.priority]
+            needed_s = estimates.full_s(taken + 1)
+            if min(usable_s, tightest_s) >= needed_s:
+                taken += 1
+                tightest_s = min(tightest_s, usable_s)
+                decisions.append(Decision(Route.FULL, None))
+                continue
+            if left_s <= 0:
+                reason = DEADLINE_PASSED
+            elif min(left_s, tightest_s) >= needed_s:
+                reason = LOW_PRIORITY
+            else:
+                reason = DEADLINE_AT_RISK
+            route = self._degrade(usable_s, estimates.fallback_s, candidate.cached)
+            decisions.append(Decision(route, reason))
+        return decisions
+
+    def _degrade(self, usable_s: float, fallback_s: float, cached: bool) -> Route:
         """The first rung of the ladder that can answer, given the seconds left to use."""
         if self.ladder.fallback_model and usable_s >= fallback_s:
             return Route.FALLBACK
@@ -114,10 +143,6 @@ class Admission:
         if self.ladder.default_answer:
             return Route.DEFAULT
         return Route.SHED
-
-    def usable_s(self, deadline_s: float, priority: int, now_s: float) -> float:
-        """Seconds an event may still spend before its priority's share of the budget ends."""
-        return deadline_s - now_s - self._reserve_s[priority]
 
 
 class RecentTimes:
@@ -130,7 +155,7 @@ class RecentTimes:
     next batch takes the full path and measures it again.
     """
 
-    def __init__(self, window_s: float = 2.0, quantile: float = 0.95, max_samples: int = 256):
+    def __init__(self, window_s: float = 2.0, quantile: float = 0.99, max_samples: int = 256):
         self.window_s = window_s
         self.quantile = quantile
         self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
@@ -147,3 +172,37 @@ class RecentTimes:
             return 0.0
         durations = sorted(seconds for _, seconds in self._samples)
         return durations[min(len(durations) - 1, math.ceil(self.quantile * len(durations)) - 1)]
+
+
+class SizedTimes:
+    """`RecentTimes` per batch-size bucket (powers of two). A size without recent
+    measurements is scaled linearly from the nearest bucket that has some."""
+
+    def __init__(self, window_s: float = 2.0, quantile: float = 0.99) -> None:
+        self._window_s = window_s
+        self._quantile = quantile
+        self._buckets: dict[int, RecentTimes] = {}
+
+    def observe(self, size: int, seconds: float, now_s: float) -> None:
+        bucket = size_bucket(size)
+        times = self._buckets.get(bucket)
+        if times is None:
+            times = self._buckets[bucket] = RecentTimes(self._window_s, self._quantile)
+        times.observe(seconds, now_s)
+
+    def bounds(self, now_s: float) -> Callable[[int], float]:
+        """Seconds for a batch of a given size, as of `now_s` (0 when nothing was
+        measured lately). Computed once here: admission asks it for every event."""
+        measured = {b: t.bound(now_s) for b, t in self._buckets.items()}
+        measured = {b: seconds for b, seconds in measured.items() if seconds > 0}
+
+        def bound(size: int) -> float:
+            if not measured:
+                return 0.0
+            bucket = size_bucket(size)
+            if bucket in measured:
+                return measured[bucket]
+            nearest = min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+            return measured[nearest] * bucket / nearest
+
+        return bound

@@ -35,7 +35,7 @@ class ServiceTimes:
         self._seconds: dict[int, float] = {}
 
     def observe(self, size: int, seconds: float) -> None:
-        bucket = _bucket(size)
+        bucket = size_bucket(size)
         old = self._seconds.get(bucket)
         self._seconds[bucket] = seconds if old is None else old + _EWMA * (seconds - old)
 
@@ -46,7 +46,7 @@ class ServiceTimes:
         """
         if not self._seconds:
             return 0.0
-        bucket = _bucket(size)
+        bucket = size_bucket(size)
         if bucket in self._seconds:
             return self._seconds[bucket]
         nearest = min(self._seconds, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
@@ -206,5 +206,5 @@ class _RateMeter:
         return self._rate
 
 
-def _bucket(size: int) -> int:
+def size_bucket(size: int) -> int:
     return 1 << max(size - 1, 0).bit_length()

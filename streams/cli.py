@@ -323,6 +323,27 @@ def demo(rate: float, duration: float, partitions: int, runtime: str, state_dir:
 @click.option("--max-batch-size", default=64, show_default=True)
 @click.option("--max-wait-ms", default=5.0, show_default=True)
 @click.option("--no-baselines", is_flag=True, help="Only headrace (no naive, Kafka, ONNX).")
+@click.option(
+    "--scenario",
+    type=click.Choice(["sweep", "overload"]),
+    default="sweep",
+    show_default=True,
+    help="sweep: headrace and baselines over rising rates; overload: 0.5x to 4x capacity.",
+)
+@click.option(
+    "--runtime",
+    "runtimes",
+    multiple=True,
+    type=click.Choice(["bare", "faust"]),
+    help="Runtimes of the overload scenario (repeatable; default both).",
+)
+@click.option(
+    "--overload-model",
+    type=click.Choice(["heavy", "sample"]),
+    default="heavy",
+    show_default=True,
+    help="Overload scenario's model: heavy (model-bound capacity) or the sample MLP.",
+)
 @click.option("--bootstrap", help="Use this running broker instead of a private one.")
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True
@@ -338,6 +359,9 @@ def bench(
     max_batch_size: int,
     max_wait_ms: float,
     no_baselines: bool,
+    scenario: str,
+    runtimes: tuple[str, ...],
+    overload_model: str,
     bootstrap: str | None,
     out: Path,
 ) -> None:
@@ -358,6 +382,9 @@ def bench(
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
         baselines=not no_baselines,
+        scenario=scenario,
+        runtimes=runtimes or ("bare", "faust"),
+        overload_model=overload_model,
         bootstrap_servers=bootstrap,
         state_dir=DEFAULT_STATE / "bench",
     )

@@ -26,7 +26,8 @@ DEGRADED = Counter(
 ESTIMATED_COMPLETION = Gauge(
     "headrace_estimated_completion_seconds",
     "The latest estimate, used by admission (at release) or before inference, of the "
-    "seconds until an answer is written, per path (full or fallback).",
+    "seconds until an answer is written: path full (a batch with one event for the full "
+    "model; admission scales it by the batch's count) or fallback.",
     ["pipeline", "path", "check"],
 )
 DEAD_LETTERS = Counter(

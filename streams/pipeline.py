@@ -32,7 +32,7 @@ from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import DecodeError
 from schemas.validation import validate_transaction
 from streams import metrics
-from streams.admission import Admission, Estimates, Ladder, Route
+from streams.admission import Admission, Candidate, Estimates, Ladder, Route
 from streams.config import PipelineConfig
 from streams.errors import ConfigError
 from streams.publisher import OutRecord, Publisher
@@ -183,7 +183,8 @@ class Pipeline:
                 prepared.outcomes[index] = self._dead_letter(record, exc)
                 prepared.dead.append((record, exc.reason))
                 continue
-            prepared.admitted.append(self._admit(record, event, now_s, estimates))
+            prepared.admitted.append(self._candidate(record, event))
+        self._route(prepared.admitted, now_s, estimates)
         decoded = time.perf_counter()
         measure.stage["decode"].observe(decoded - started)
         needing = [item for item in prepared.admitted if self._needs_store(item.route)]
@@ -200,22 +201,32 @@ class Pipeline:
         }
         return prepared
 
-    def _admit(
-        self, record: InputRecord, event: dict[str, Any], now_s: float, estimates: Estimates
-    ) -> Admitted:
+    def _candidate(self, record: InputRecord, event: dict[str, Any]) -> Admitted:
         time_field = self.config.event_time_field
         event_time_ms = event[time_field] if time_field else record.timestamp_ms
-        deadline_s = event_time_ms / 1000 + self._budget_s
-        priority = self._priority(record, event)
         key = tuple(event[name] for name in self._answer_fields)
         cached = self._answers.get(key) if self.admission.ladder.answer_cache else None
-        score = None if cached is None else cached[0]
-        decision = self.admission.decide(
-            deadline_s, priority, now_s, estimates, cached=score is not None
-        )
         return Admitted(
-            record, event, deadline_s, priority, decision.route, decision.reason, key, score
+            record,
+            event,
+            deadline_s=event_time_ms / 1000 + self._budget_s,
+            priority=self._priority(record, event),
+            route=Route.FULL,
+            reason=None,
+            cache_key=key,
+            cached_score=None if cached is None else cached[0],
         )
+
+    def _route(self, items: list[Admitted], now_s: float, estimates: Estimates) -> None:
+        """Decide (or revise) the route of each item."""
+        candidates = [
+            Candidate(item.deadline_s, item.priority, item.cached_score is not None)
+            for item in items
+        ]
+        for item, decision in zip(
+            items, self.admission.decide(candidates, now_s, estimates), strict=True
+        ):
+            item.route, item.reason = decision.route, decision.reason
 
     def _priority(self, record: InputRecord, event: dict[str, Any]) -> int:
         spec = self.config.priority
@@ -239,15 +250,10 @@ class Pipeline:
     async def infer(self, prepared: Prepared, estimates: Estimates) -> None:
         """Check each full-path event against its deadline again (with `estimates` of the
         rest of the path), then run the full and the fallback model, one run each."""
-        now_s = self._clock()
-        for item in prepared.admitted:
-            if item.route is not Route.FULL:
-                continue
-            decision = self.admission.decide(
-                item.deadline_s, item.priority, now_s, estimates, item.cached_score is not None
-            )
-            # Its features are already read, so the fallback model can take it whatever it reads.
-            item.route, item.reason = decision.route, decision.reason
+        # Features of these are already read, so the fallback model can take any of them.
+        self._route(
+            [i for i in prepared.admitted if i.route is Route.FULL], self._clock(), estimates
+        )
         runs = [(Route.FULL, self._full), (Route.FALLBACK, self._fallback)]
         await asyncio.gather(*(self._run(prepared, route, model) for route, model in runs))
 

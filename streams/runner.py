@@ -30,7 +30,7 @@ from features.errors import FeatureStoreError
 from models.errors import ModelError
 from schemas.errors import RegistryError
 from streams import metrics
-from streams.admission import Estimates, RecentTimes, Route
+from streams.admission import Estimates, Route, SizedTimes
 from streams.batching import BatchPolicy, MicroBatcher
 from streams.errors import PublishError
 from streams.flow import InFlight
@@ -54,15 +54,16 @@ class _Batch:
 
 
 class _PathTimes:
-    """Recent completion times of one path, from release and from the start of inference."""
+    """Recent completion times of batches, by how many events the full model took,
+    from release and from the start of inference."""
 
     def __init__(self) -> None:
-        self.from_release = RecentTimes()
-        self.from_inference = RecentTimes()
+        self.from_release = SizedTimes()
+        self.from_inference = SizedTimes()
 
-    def observe(self, batch: _Batch, done: float) -> None:
-        self.from_release.observe(done - batch.released, done)
-        self.from_inference.observe(done - batch.inferring, done)
+    def observe(self, batch: _Batch, full_events: int, done: float) -> None:
+        self.from_release.observe(full_events, done - batch.released, done)
+        self.from_inference.observe(full_events, done - batch.inferring, done)
 
 
 class PipelineRunner:
@@ -93,6 +94,7 @@ class PipelineRunner:
         self._inference_wait = metrics.QUEUE_SECONDS.labels(self._name, "inference")
         self._publish_wait = metrics.QUEUE_SECONDS.labels(self._name, "publish")
         self._retries = metrics.RETRIES.labels(self._name)
+        # Batches with full-model work, by its size; and those without ("light").
         self._full = _PathTimes()
         self._light = _PathTimes()
         self._metrics = pipeline.metrics
@@ -173,7 +175,8 @@ class PipelineRunner:
             )
             self.policy.stage_times.observe(size, slowest_us / 1_000_000)
             self.policy.completion_times.observe(size, done - batch.released)
-            (self._full if prepared.count(Route.FULL) else self._light).observe(batch, done)
+            full_events = prepared.count(Route.FULL)
+            (self._full if full_events else self._light).observe(batch, full_events, done)
             await self.in_flight.done(size)
 
     def _estimates(self, check: str) -> Estimates:
@@ -182,9 +185,9 @@ class PipelineRunner:
         fill batches without full-model work, so the light path's time is theirs."""
         now = time.monotonic()
         window = "from_release" if check == "admission" else "from_inference"
-        full_s = getattr(self._full, window).bound(now)
-        fallback_s = getattr(self._light, window).bound(now)
-        self._metrics.estimate("full", check).set(full_s)
+        full_s = getattr(self._full, window).bounds(now)
+        fallback_s = getattr(self._light, window).bounds(now)(0)
+        self._metrics.estimate("full", check).set(full_s(1))
         self._metrics.estimate("fallback", check).set(fallback_s)
         return Estimates(full_s=full_s, fallback_s=fallback_s)
 

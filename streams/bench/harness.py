@@ -3,6 +3,10 @@
 Every system gets the same pre-encoded event stream, sent open-loop at each offered
 rate (a warm-up, then a measured window), and is read back by a consumer that
 measures end-to-end latency from each event's intended send time.
+
+The overload scenario (`scenario="overload"`) first finds a worker's capacity (the
+highest rate of answers in full over a doubling ramp), then offers 0.5x, 1x, 2x and
+4x that capacity and reports counts and percentiles per outcome status.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ import math
 import shutil
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import click
 import numpy as np
@@ -26,6 +32,8 @@ from infra.kafka import KafkaBroker
 from infra.ports import free_port
 from infra.topics import delete_topics, ensure_topics
 from models.session import ModelSession
+from models.synthetic import write_heavy_model
+from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
 from streams.bench.latency import LatencyLog, LatencySummary, prediction_reader, raw_reader
@@ -42,6 +50,12 @@ from streams.demo import (
 from streams.loadgen import encoded, sample_events, send_at_rate
 
 EVENT_POOL = 20_000
+OVERLOAD_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
+# The capacity ramp stops at the first step answering less than this share in full.
+RAMP_OK_SHARE = 0.9
+# The overload scenario's default model: about 3 ms of compute per event on one core, so
+# that the model, not Kafka or Python, bounds capacity (the case shedding is for).
+HEAVY_MODEL = {"width": 1024, "layers": 128}
 
 
 class BenchSettings(BaseModel):
@@ -61,6 +75,11 @@ class BenchSettings(BaseModel):
     max_batch_size: int = Field(64, ge=1, le=4096)
     max_wait_ms: float = Field(5.0, ge=0)
     baselines: bool = True
+    scenario: Literal["sweep", "overload"] = "sweep"
+    runtimes: tuple[Literal["faust", "bare"], ...] = ("bare", "faust")
+    """Runtimes the overload scenario runs."""
+    overload_model: Literal["heavy", "sample"] = "heavy"
+    """The overload scenario's model: `heavy` (see HEAVY_MODEL) or the sample MLP."""
     state_dir: Path = Path(".headrace/bench")
     bootstrap_servers: str | None = None
     """Reuse a running broker instead of starting a private one."""
@@ -85,7 +104,11 @@ class StepResult:
     statuses: dict[str, int]
     send_lag_ms: float
     within_budget: bool
+    """Every event answered in full (status OK), p99 within the budget."""
     overloaded: bool
+    by_status: dict[str, LatencySummary] = field(default_factory=dict)
+    multiple: float | None = None
+    """Offered load over the measured capacity (overload scenario)."""
     profile: dict[str, float] = field(default_factory=dict)
 
 
@@ -123,6 +146,15 @@ class Bench:
             self.repo, self.model_path = prepare_sample_assets(self.state_dir, world)
             self.records = _event_pool(world, self.run_id)
             results: dict = {"settings": settings.model_dump(mode="json"), "steps": []}
+            if settings.scenario == "overload":
+                results["overload"] = {}
+                for runtime in settings.runtimes:
+                    capacity, steps = self._run_overload(runtime)
+                    results["overload"][runtime] = capacity
+                    results["steps"] += steps
+                results["onnx"] = []
+                results["elapsed_s"] = time.time() - started
+                return results
             if settings.baselines:
                 results["onnx"] = self._raw_onnx()
             if settings.baselines:
@@ -150,6 +182,49 @@ class Bench:
         finally:
             stop_worker(worker)
             system.reader.stop()
+
+    def _run_overload(self, runtime: str) -> tuple[float, list[StepResult]]:
+        name = f"overload-{runtime}"
+        model = self.model_path
+        if self.settings.overload_model == "heavy":
+            heavy = self.state_dir / "models" / "heavy.onnx"
+            model = write_heavy_model(model, heavy, **HEAVY_MODEL)
+        system, worker = self._start_pipeline_process(
+            name, worker=True, runtime=runtime, model_path=model
+        )
+        try:
+            capacity = self._capacity(system)
+            self.echo(f"  {name}: capacity {capacity:.0f} answers in full per second")
+            steps = []
+            for multiple in OVERLOAD_MULTIPLES:
+                step = self._step(system, multiple * capacity)
+                step.multiple = multiple
+                ok = step.by_status.get("OK")
+                self.echo(
+                    f"\r  {name:>8} {multiple:>4}x {step.offered_per_s:>7.0f}/s  "
+                    f"statuses {step.statuses}  OK p99 {ok.p99_ms if ok else float('nan'):.1f} ms"
+                    f"  unanswered {step.unanswered}"
+                )
+                steps.append(step)
+            return capacity, steps
+        finally:
+            stop_worker(worker)
+            system.reader.stop()
+
+    def _capacity(self, system: SystemUnderTest) -> float:
+        """The highest rate of answers in full (OK within the budget) over a doubling ramp."""
+        settings = self.settings
+        best = 0.0
+        rate = settings.sweep_start_per_s
+        while rate <= settings.sweep_max_per_s:
+            step = self._step(system, rate)
+            ok = step.statuses.get("OK", 0)
+            self.echo(f"\r  ramp {rate:>8.0f}/s  answered in full {ok}/{step.measured}")
+            best = max(best, ok / settings.measure_s)
+            if ok < RAMP_OK_SHARE * step.measured:
+                break
+            rate *= settings.sweep_factor
+        return best
 
     def _run_naive(self) -> list[StepResult]:
         system, process = self._start_pipeline_process("naive", worker=False)
@@ -196,18 +271,22 @@ class Bench:
 
     # Mechanics ------------------------------------------------------------------
 
-    def _start_pipeline_process(self, name: str, worker: bool, runtime: str = "faust"):
+    def _start_pipeline_process(
+        self, name: str, worker: bool, runtime: str = "faust", model_path: Path | None = None
+    ):
         suffix = f"-bench-{name}-{self.run_id}"
         port = free_port()
         config = sample_config(
             self.bootstrap,
             self.repo,
-            self.model_path,
+            model_path or self.model_path,
             suffix=suffix,
             metrics_port=port if worker else 0,
             max_batch_size=self.settings.max_batch_size,
             max_wait_ms=self.settings.max_wait_ms,
             runtime=runtime,
+            latency_budget_ms=self.settings.budget_ms,
+            fallback_model=fallback_path(self.model_path),
         )
         config_file = self.state_dir / f"{name}.yaml"
         parsed = write_config(config, config_file)
@@ -277,9 +356,12 @@ class Bench:
         latencies, statuses = system.log.window(window_start, window_end)
         summary = LatencySummary.of(latencies)
         unanswered = max(0, measured - len(latencies))
-        counts: dict[str, int] = {}
-        for status in statuses:
-            counts[status] = counts.get(status, 0) + 1
+        counts = Counter(statuses)
+        status_array = np.asarray(statuses)
+        by_status = {
+            status: LatencySummary.of(latencies[status_array == status]) for status in counts
+        }
+        answered_in_full = counts.get("OK", 0) + counts.get("RAW", 0)
         return StepResult(
             system=system.name,
             offered_per_s=rate,
@@ -288,10 +370,13 @@ class Bench:
             unanswered=unanswered,
             achieved_per_s=len(latencies) / settings.measure_s,
             latency=summary,
-            statuses=counts,
+            statuses=dict(counts),
             send_lag_ms=report.max_lag_ms,
-            within_budget=unanswered == 0 and summary.p99_ms <= settings.budget_ms,
-            overloaded=unanswered > 0 or summary.p99_ms > 4 * settings.budget_ms,
+            within_budget=answered_in_full == measured and summary.p99_ms <= settings.budget_ms,
+            overloaded=unanswered > 0
+            or summary.p99_ms > 4 * settings.budget_ms
+            or answered_in_full < measured / 2,
+            by_status=by_status,
             profile=profile,
         )
 

@@ -74,6 +74,7 @@ def write_reports(results: dict, out_dir: Path) -> dict[str, Path]:
         "verdicts": verdicts(steps, budget),
         "steps": [asdict(s) for s in steps],
         "onnx": results.get("onnx", []),
+        "overload": results.get("overload"),
     }
     paths = {
         "json": out_dir / "report.json",
@@ -98,6 +99,10 @@ def _markdown(doc: dict) -> str:
         "Latency is end to end: from each event's intended send time (its Kafka timestamp) "
         "to the moment a consumer reads its answer. Load is open loop.",
         "",
+    ]
+    if doc["overload"]:
+        return "\n".join(lines + _overload_markdown(doc)) + "\n"
+    lines += [
         "## Verdicts",
         "",
         f"- Sustainable throughput at p99 <= {v['budget_ms']:.0f} ms: headrace "
@@ -157,6 +162,35 @@ def _markdown(doc: dict) -> str:
                 f"{row['per_event_us']:.1f} | {row['events_per_s']:,.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _overload_markdown(doc: dict) -> list[str]:
+    budget = doc["settings"]["budget_ms"]
+    lines = ["## Overload", "",
+             f"The worker's latency budget is {budget:.0f} ms. Capacity: the highest rate of "
+             "answers in full (status OK) over a doubling ramp of offered rates.", ""]  # fmt: skip
+    for runtime, capacity in doc["overload"].items():
+        lines.append(f"- {runtime} runtime: capacity {capacity:.0f} answers in full per second.")
+    lines += ["", "| system | load | offered/s | sent | lost | OK | DEGRADED | SHED "
+              "| OK p50 ms | OK p99 ms | DEGRADED p99 ms | SHED p99 ms | OK p99 within budget |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in doc["steps"]:
+        if s["multiple"] is None:
+            continue
+        by = s["by_status"]
+        counts = s["statuses"]
+
+        def p(status: str, key: str, by=by) -> str:
+            return f"{by[status][key]:.1f}" if status in by else "-"
+
+        within = "OK" in by and by["OK"]["p99_ms"] <= budget
+        lines.append(
+            f"| {s['system']} | {s['multiple']}x | {s['offered_per_s']:.0f} | {s['measured']} | "
+            f"{s['unanswered']} | {counts.get('OK', 0)} | {counts.get('DEGRADED', 0)} | "
+            f"{counts.get('SHED', 0)} | {p('OK', 'p50_ms')} | {p('OK', 'p99_ms')} | "
+            f"{p('DEGRADED', 'p99_ms')} | {p('SHED', 'p99_ms')} | {'yes' if within else 'no'} |"
+        )
+    return lines
 
 
 def _plot(steps: list[StepResult], budget_ms: float, path: Path) -> None:

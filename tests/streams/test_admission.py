@@ -11,10 +11,12 @@ from streams.admission import (
     DEADLINE_PASSED,
     LOW_PRIORITY,
     Admission,
+    Candidate,
     Estimates,
     Ladder,
     RecentTimes,
     Route,
+    SizedTimes,
 )
 
 BUDGET_S = 0.100
@@ -25,9 +27,17 @@ def admission(ladder: Ladder = FULL_LADDER, shares=(0.5, 1.0)) -> Admission:
     return Admission(BUDGET_S, shares, ladder)
 
 
+NOW_S = 1_000.0
+
+
+def estimates(full_s=0.030, fallback_s=0.005, per_event_s=0.0) -> Estimates:
+    """A batch with n events for the full model takes full_s + (n - 1) * per_event_s."""
+    return Estimates(lambda n: full_s + (n - 1) * per_event_s, fallback_s)
+
+
 def decide(admit: Admission, left_s, priority=1, full_s=0.030, fallback_s=0.005, cached=False):
-    now = 1_000.0
-    return admit.decide(now + left_s, priority, now, Estimates(full_s, fallback_s), cached)
+    candidate = Candidate(NOW_S + left_s, priority, cached)
+    return admit.decide([candidate], NOW_S, estimates(full_s, fallback_s))[0]
 
 
 def test_an_event_that_can_finish_in_time_takes_the_full_model():
@@ -82,6 +92,35 @@ def test_budget_shares_must_be_fractions():
         Admission(BUDGET_S, (0.0, 1.0), FULL_LADDER)
 
 
+def test_a_batch_takes_only_as_many_full_events_as_can_all_finish_in_time():
+    admit = admission()
+    # 10 ms for one event, 5 ms more per event; each event has 31 ms left.
+    batch = [Candidate(NOW_S + 0.031, 1, False) for _ in range(6)]
+    routes = [d.route for d in admit.decide(batch, NOW_S, estimates(0.010, 0.002, 0.005))]
+    # 5 events take 30 ms: the sixth would make all of them late.
+    assert routes == [Route.FULL] * 5 + [Route.FALLBACK]
+
+
+def test_an_urgent_event_limits_how_many_join_it():
+    admit = admission()
+    urgent = Candidate(NOW_S + 0.016, 1, False)
+    relaxed = [Candidate(NOW_S + 0.090, 1, False) for _ in range(3)]
+    decisions = admit.decide([urgent, *relaxed], NOW_S, estimates(0.010, 0.002, 0.005))
+    # Urgent alone: 10 ms; with one more: 15 ms; with two: 20 ms, past its 16 ms.
+    assert [d.route for d in decisions] == [Route.FULL, Route.FULL, Route.FALLBACK, Route.FALLBACK]
+    assert decisions[2].reason == DEADLINE_AT_RISK
+
+
+def test_sized_times_scale_from_the_nearest_measured_size():
+    times = SizedTimes(window_s=2.0)
+    assert times.bounds(0.0)(8) == 0.0
+    times.observe(8, 0.040, now_s=0.0)
+    bound = times.bounds(0.1)
+    assert bound(8) == bound(5) == pytest.approx(0.040)
+    assert bound(16) == pytest.approx(0.080)
+    assert times.bounds(3.0)(8) == 0.0  # forgotten
+
+
 def test_recent_times_bound_is_a_high_quantile_of_the_window():
     times = RecentTimes(window_s=2.0, quantile=0.9)
     assert times.bound(now_s=0.0) == 0.0  # nothing measured: optimistic, so it measures
@@ -114,8 +153,9 @@ def simulate(offered_per_capacity: float, seconds: float = 20.0) -> dict:
     while arrivals:
         arrived, priority = arrivals.popleft()
         now = max(now, arrived)
-        estimates = Estimates(times.bound(now), 0.0)
-        decision = admit.decide(arrived + BUDGET_S, priority, now, estimates, cached=False)
+        bound = times.bound(now)
+        candidate = Candidate(arrived + BUDGET_S, priority, cached=False)
+        decision = admit.decide([candidate], now, Estimates(lambda _n, b=bound: b, 0.0))[0]
         if decision.route is Route.FULL:
             now += service_s
             times.observe(service_s, now)

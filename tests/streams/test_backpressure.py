@@ -13,11 +13,11 @@ from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
 
 from infra.ports import free_port
+from models.synthetic import write_heavy_model
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
 from streams.loadgen import encoded, sample_events
 from tests.helpers import PATIENT_BUDGET_MS
-from tests.slow_model import write_slow_model
 from tests.streams.test_worker import collector_for
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_a_burst_stays_bounded_and_is_answered_in_order(
     deploy, kafka, sample_assets, tmp_path, runtime
 ):
-    slow = write_slow_model(sample_assets.model, tmp_path / "slow.onnx")
+    slow = write_heavy_model(sample_assets.model, tmp_path / "slow.onnx")
     port = free_port()
     deployment = deploy(
         runtime=runtime,

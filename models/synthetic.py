@@ -1,4 +1,9 @@
-"""A deliberately slow model with the sample model's interface, for backpressure tests."""
+"""Heavy models with the sample model's interface: a chosen cost per event, for tests
+and benchmarks of serving when the model, not the plumbing, is the bottleneck.
+
+The weights are random (the scores mean nothing); the inputs, outputs and metadata are
+those of the model it is made `like`, so a pipeline serves it unchanged.
+"""
 
 from __future__ import annotations
 
@@ -11,24 +16,22 @@ from onnx import TensorProto, helper, numpy_helper
 from models.session import ModelSession
 
 
-def write_slow_model(like: Path, out: Path, width: int = 1024, layers: int = 8) -> Path:
+def write_heavy_model(like: Path, out: Path, width: int = 1024, layers: int = 8) -> Path:
     """Same inputs, outputs and metadata as `like`, with `layers` dense layers of
-    `width` per row (about 2 * layers * width² FLOPs per event)."""
+    `width` per row (about 2 * layers * width² FLOPs per event). The hidden layers
+    share one weight matrix, so the file stays small whatever the depth."""
     reference = ModelSession(like)
     meta = reference.metadata
     reference.close()
     rng = np.random.default_rng(0)
     features = len(meta.feature_names)
     weights = [
-        numpy_helper.from_array(rng.normal(0, 0.05, (features, width)).astype(np.float32), "w0")
+        numpy_helper.from_array(rng.normal(0, 0.05, (features, width)).astype(np.float32), "w0"),
+        numpy_helper.from_array(rng.normal(0, 0.05, (width, width)).astype(np.float32), "w"),
     ]
     nodes = [helper.make_node("MatMul", ["features", "w0"], ["h0"])]
     for i in range(1, layers):
-        name = f"w{i}"
-        weights.append(
-            numpy_helper.from_array(rng.normal(0, 0.05, (width, width)).astype(np.float32), name)
-        )
-        nodes.append(helper.make_node("MatMul", [f"h{i - 1}", name], [f"m{i}"]))
+        nodes.append(helper.make_node("MatMul", [f"h{i - 1}", "w"], [f"m{i}"]))
         nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"h{i}"]))
     nodes += [
         helper.make_node("ReduceMean", [f"h{layers - 1}"], ["mean"], axes=[1], keepdims=1),
@@ -60,6 +63,6 @@ def write_slow_model(like: Path, out: Path, width: int = 1024, layers: int = 8) 
     for prop in original.metadata_props:
         entry = model.metadata_props.add()
         entry.key = prop.key
-        entry.value = "fraud-slow" if prop.key == "model_name" else prop.value
+        entry.value = "fraud-heavy" if prop.key == "model_name" else prop.value
     onnx.save(model, str(out))
     return out
