@@ -79,7 +79,17 @@ class SessionPool:
         """The providers each session really got (CUDA requests may have fallen back)."""
         return [m.session.providers for m in self._members]
 
+    @property
+    def size(self) -> int:
+        """Sessions in the pool: how many batches run at once."""
+        return len(self._members)
+
     async def predict(self, matrix: np.ndarray) -> np.ndarray:
+        scores, _seconds = await self.predict_timed(matrix)
+        return scores
+
+    async def predict_timed(self, matrix: np.ndarray) -> tuple[np.ndarray, float]:
+        """Scores and the seconds the run itself took (not the wait for a session)."""
         rows = matrix.shape[0]
         member = min(self._members, key=lambda m: m.expected_finish_s(rows))
         member.outstanding += 1
@@ -88,7 +98,7 @@ class SessionPool:
         finally:
             member.outstanding -= 1
         member.observe(rows, seconds)
-        return scores
+        return scores, seconds
 
     def predict_blocking(self, matrix: np.ndarray) -> np.ndarray:
         return self._members[0].session.predict(matrix)

@@ -3,8 +3,9 @@ are answered (the degradation ladder).
 
 An event's deadline is its event time plus the pipeline's latency budget. Before any
 work is spent on it, and again before inference, the runner asks `Admission.decide`
-with a conservative estimate of how long the remaining path takes (`RecentTimes`). An
-event that cannot be answered in full goes down the ladder, in order:
+with an estimate of how long the rest of the path takes (`CompletionModel`: the model
+work already admitted ahead, the batch's own run, the rest of the path). An event
+that cannot be answered in full goes down the ladder, in order:
 
     fallback model  ->  cached answer  ->  default answer  ->  shed record
 
@@ -206,3 +207,47 @@ class SizedTimes:
             return measured[nearest] * bucket / nearest
 
         return bound
+
+
+class CompletionModel:
+    """When would a batch admitted now be answered? Its wait for the full-model work
+    admitted before it, its own run, and the rest of its path (decode, features, publish).
+
+    Measured queueing would lag and feed on itself (a slow spell makes admission shed,
+    so nothing is measured that could show it ended); here only service times are
+    measured (a high quantile of the recent ones, per batch size) and the work ahead is
+    counted: `reserve` when a batch is admitted, `release` when its model run ends.
+    Service times are properties of the model and the machine, so they are remembered
+    for a while (`window_s`): a quiet spell must not leave the next burst unestimated.
+    """
+
+    def __init__(self, sessions: int, window_s: float = 30.0, quantile: float = 0.95) -> None:
+        self._sessions = max(sessions, 1)
+        self.full_runs = SizedTimes(window_s, quantile)
+        """Seconds of one full-model run, by batch size."""
+        self.fallback_runs = RecentTimes(window_s, quantile)
+        self.rest = SizedTimes(window_s, quantile)
+        """Seconds a batch spends outside the model runs (decode, features, publish), by
+        its size: a backlog's large batches of cheap answers must not count for small ones."""
+        self._ahead_s = 0.0
+
+    def estimates(self, now_s: float, batch_size: int, own_reservation_s: float = 0.0) -> Estimates:
+        """For a batch of `batch_size` entering now; pass its own reservation once it
+        holds one."""
+        run = self.full_runs.bounds(now_s)
+        wait_s = max(0.0, self._ahead_s - own_reservation_s) / self._sessions
+        rest_s = self.rest.bounds(now_s)(batch_size)
+        return Estimates(
+            full_s=lambda n: wait_s + run(n) + rest_s,
+            fallback_s=wait_s + self.fallback_runs.bound(now_s) + rest_s,
+        )
+
+    def reserve(self, full_events: int, now_s: float) -> float:
+        """Count a batch's full-model work as ahead of later batches; returns the
+        reservation to `release` when its run ends."""
+        seconds = self.full_runs.bounds(now_s)(full_events) if full_events else 0.0
+        self._ahead_s += seconds
+        return seconds
+
+    def release(self, reservation_s: float) -> None:
+        self._ahead_s = max(0.0, self._ahead_s - reservation_s)

@@ -1,8 +1,9 @@
-"""The stages of one micro-batch: prepare (decode, validate, admit, features), infer,
+"""The stages of one micro-batch: decode (and validate), route, read features, infer,
 publish.
 
-`prepare` decides each event's route (`streams/admission.py`) before any feature or
-model work is spent on it; `infer` checks the full-path events again and runs the
+Between `decode` and `read_features` the runner has `route` decide each event's path
+(`streams/admission.py`), so no feature or model work is spent on an event that
+cannot use it; it may revise the full-path events again before `infer`, which runs the
 full and the fallback model once each. The stages are independent of Faust so that
 the runner can overlap them across batches and the benchmarks can drive them
 without a consumer. `publish` returns once every input of the batch has exactly one
@@ -82,7 +83,8 @@ class Prepared:
     admitted: list[Admitted] = field(default_factory=list)
     rows: FeatureRows | None = None
     timings: dict[str, int] = field(default_factory=dict)
-    inference_us: dict[Route, int] = field(default_factory=dict)
+    run_seconds: dict[Route, float] = field(default_factory=dict)
+    """Seconds of each model run (full, fallback) of the batch."""
 
     def count(self, route: Route) -> int:
         return sum(1 for item in self.admitted if item.route is route)
@@ -167,9 +169,9 @@ class Pipeline:
             degradation.answer_cache.max_entries, degradation.answer_cache.max_age_s, clock
         )
 
-    async def prepare(self, records: Sequence[InputRecord], estimates: Estimates) -> Prepared:
-        """Decode and validate (bad inputs become dead letters), decide each event's route
-        from its deadline and `estimates`, then read features for those that need them."""
+    def decode(self, records: Sequence[InputRecord]) -> Prepared:
+        """Decode and validate (bad inputs become dead letters); every decoded event starts
+        on the full path, for the runner's admission (`route`) to decide."""
         measure = self.metrics
         started = time.perf_counter()
         now_s = self._clock()
@@ -184,22 +186,34 @@ class Pipeline:
                 prepared.dead.append((record, exc.reason))
                 continue
             prepared.admitted.append(self._candidate(record, event))
-        self._route(prepared.admitted, now_s, estimates)
-        decoded = time.perf_counter()
-        measure.stage["decode"].observe(decoded - started)
-        needing = [item for item in prepared.admitted if self._needs_store(item.route)]
-        if needing:
-            for row, item in enumerate(needing):
-                item.row = row
-            prepared.rows = await self._lookup.fetch([item.event for item in needing])
-        fetched = time.perf_counter()
-        measure.stage["features"].observe(fetched - decoded)
-        prepared.timings = {
-            "batch_size": len(records),
-            "decode_us": _us(started, decoded),
-            "features_us": _us(decoded, fetched),
-        }
+        seconds = time.perf_counter() - started
+        measure.stage["decode"].observe(seconds)
+        prepared.timings = {"batch_size": len(records), "decode_us": int(seconds * 1e6)}
         return prepared
+
+    def route(self, items: Sequence[Admitted], estimates: Estimates) -> None:
+        """Decide, or revise, the route of each item (in batch order) by its deadline."""
+        candidates = [
+            Candidate(item.deadline_s, item.priority, item.cached_score is not None)
+            for item in items
+        ]
+        decisions = self.admission.decide(candidates, self._clock(), estimates)
+        for item, decision in zip(items, decisions, strict=True):
+            item.route, item.reason = decision.route, decision.reason
+
+    async def read_features(self, prepared: Prepared) -> None:
+        """One store read (through the cache) for the events whose model needs it."""
+        needing = [item for item in prepared.admitted if self._needs_store(item.route)]
+        prepared.timings["features_us"] = 0
+        if not needing:
+            return
+        started = time.perf_counter()
+        for row, item in enumerate(needing):
+            item.row = row
+        prepared.rows = await self._lookup.fetch([item.event for item in needing])
+        seconds = time.perf_counter() - started
+        self.metrics.stage["features"].observe(seconds)
+        prepared.timings["features_us"] = int(seconds * 1e6)
 
     def _candidate(self, record: InputRecord, event: dict[str, Any]) -> Admitted:
         time_field = self.config.event_time_field
@@ -216,17 +230,6 @@ class Pipeline:
             cache_key=key,
             cached_score=None if cached is None else cached[0],
         )
-
-    def _route(self, items: list[Admitted], now_s: float, estimates: Estimates) -> None:
-        """Decide (or revise) the route of each item."""
-        candidates = [
-            Candidate(item.deadline_s, item.priority, item.cached_score is not None)
-            for item in items
-        ]
-        for item, decision in zip(
-            items, self.admission.decide(candidates, now_s, estimates), strict=True
-        ):
-            item.route, item.reason = decision.route, decision.reason
 
     def _priority(self, record: InputRecord, event: dict[str, Any]) -> int:
         spec = self.config.priority
@@ -247,13 +250,10 @@ class Pipeline:
             return True
         return route is Route.FALLBACK and self._fallback.needs_store
 
-    async def infer(self, prepared: Prepared, estimates: Estimates) -> None:
-        """Check each full-path event against its deadline again (with `estimates` of the
-        rest of the path), then run the full and the fallback model, one run each."""
-        # Features of these are already read, so the fallback model can take any of them.
-        self._route(
-            [i for i in prepared.admitted if i.route is Route.FULL], self._clock(), estimates
-        )
+    async def infer(self, prepared: Prepared) -> None:
+        """Run the full and the fallback model on their events, one run each, at once.
+        An event moved off the full path after its features were read can still take
+        the fallback model: it has every input."""
         runs = [(Route.FULL, self._full), (Route.FALLBACK, self._fallback)]
         await asyncio.gather(*(self._run(prepared, route, model) for route, model in runs))
 
@@ -261,12 +261,10 @@ class Pipeline:
         items = [item for item in prepared.admitted if item.route is route]
         if not items:
             return
-        started = time.perf_counter()
-        scores = await model.pool.predict(model.assemble(items, prepared.rows))
-        seconds = time.perf_counter() - started
+        scores, seconds = await model.pool.predict_timed(model.assemble(items, prepared.rows))
         if route is Route.FULL:
             self.metrics.stage["inference"].observe(seconds)
-        prepared.inference_us[route] = int(seconds * 1_000_000)
+        prepared.run_seconds[route] = seconds
         for item, score in zip(items, scores.tolist(), strict=True):
             item.score = score
 
@@ -288,7 +286,10 @@ class Pipeline:
 
     def _encode(self, prepared: Prepared) -> list[OutRecord]:
         timings = {
-            route: {**prepared.timings, "inference_us": prepared.inference_us.get(route, 0)}
+            route: {
+                **prepared.timings,
+                "inference_us": int(prepared.run_seconds.get(route, 0) * 1e6),
+            }
             for route in Route
         }
         missing_of = prepared.rows.missing_views if prepared.rows is not None else []
@@ -389,7 +390,3 @@ def _column_sources(
                 f"event nor a feature of the pipeline's feature service ({list(feature_refs)})"
             )
     return sources
-
-
-def _us(start: float, end: float) -> int:
-    return int((end - start) * 1_000_000)

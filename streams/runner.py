@@ -1,12 +1,12 @@
 """Runs one pipeline's batches through overlapping stages, bounded and in order.
 
-    consumer ──submit──► MicroBatcher ──► prepare ──► infer ──► publish ──► ack
+    consumer ──submit──► MicroBatcher ──► decode, admit ──► features ──► re-check, infer
+                          ──► publish ──► ack
                           (in-flight bound: pause fetching at `high`, resume at `low`)
 
-Admission needs to know how long the rest of the path takes: the runner measures,
-for batches with full-model work and for batches without ("light"), the seconds from
-release to acknowledgement and from the start of inference to acknowledgement, and
-hands their recent high quantiles to `prepare` and `infer`.
+Admission happens as a batch is released and again before its inference, with the
+`CompletionModel`: the runner reserves each admitted batch's model work until its run
+ends, and measures model runs and the rest of each batch's path.
 
 While batch k is in the model, batch k+1 reads its features and batch k-1 is being
 published. Batches leave every stage in the order they entered, so outputs keep the
@@ -30,7 +30,7 @@ from features.errors import FeatureStoreError
 from models.errors import ModelError
 from schemas.errors import RegistryError
 from streams import metrics
-from streams.admission import Estimates, Route, SizedTimes
+from streams.admission import CompletionModel, Estimates, Route
 from streams.batching import BatchPolicy, MicroBatcher
 from streams.errors import PublishError
 from streams.flow import InFlight
@@ -50,20 +50,10 @@ class _Batch:
     records: list[InputRecord]
     handles: list[Any]
     released: float = field(default_factory=time.monotonic)
-    inferring: float = 0.0
-
-
-class _PathTimes:
-    """Recent completion times of batches, by how many events the full model took,
-    from release and from the start of inference."""
-
-    def __init__(self) -> None:
-        self.from_release = SizedTimes()
-        self.from_inference = SizedTimes()
-
-    def observe(self, batch: _Batch, full_events: int, done: float) -> None:
-        self.from_release.observe(full_events, done - batch.released, done)
-        self.from_inference.observe(full_events, done - batch.inferring, done)
+    reservation_s: float = 0.0
+    """Its full-model work as counted ahead of later batches (CompletionModel)."""
+    outside_model_s: float = 0.0
+    """Seconds spent so far outside the model runs (decode, features)."""
 
 
 class PipelineRunner:
@@ -94,9 +84,7 @@ class PipelineRunner:
         self._inference_wait = metrics.QUEUE_SECONDS.labels(self._name, "inference")
         self._publish_wait = metrics.QUEUE_SECONDS.labels(self._name, "publish")
         self._retries = metrics.RETRIES.labels(self._name)
-        # Batches with full-model work, by its size; and those without ("light").
-        self._full = _PathTimes()
-        self._light = _PathTimes()
+        self._completion = CompletionModel(sessions=concurrent_inference)
         self._metrics = pipeline.metrics
 
     def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
@@ -138,24 +126,50 @@ class PipelineRunner:
             items = await self._batcher.next_batch()
             self._target_size.set(self._batcher.target_size())
             batch = _Batch([record for record, _ in items], [handle for _, handle in items])
-            estimates = self._estimates("admission")
-            prepare = asyncio.create_task(
-                self._retrying(batch, "features", self.pipeline.prepare, batch.records, estimates)
+            # Decode and admit at once, before any feature or model work is spent.
+            prepared = await self._retrying(batch, "decode", self._decode, batch.records)
+            now = time.monotonic()
+            estimates = self._estimates("admission", now, len(batch.records))
+            self.pipeline.route(prepared.admitted, estimates)
+            batch.reservation_s = self._completion.reserve(prepared.count(Route.FULL), now)
+            features = asyncio.create_task(
+                self._retrying(batch, "features", self.pipeline.read_features, prepared)
             )
-            await self._to_infer.put((batch, prepare, time.monotonic()))
+            await self._to_infer.put((batch, prepared, features, time.monotonic()))
+
+    async def _decode(self, records: list[InputRecord]) -> Prepared:
+        # A coroutine for `_retrying`: an unreachable registry is worth retrying.
+        return self.pipeline.decode(records)
 
     async def _infer(self) -> None:
         while True:
-            batch, prepare, queued = await self._to_infer.get()
-            prepared: Prepared = await prepare
-            batch.inferring = time.monotonic()
-            self._inference_wait.observe(batch.inferring - queued)
-            inference = asyncio.create_task(
-                self._retrying(
-                    batch, "inference", self.pipeline.infer, prepared, self._estimates("inference")
-                )
+            batch, prepared, features, queued = await self._to_infer.get()
+            await features
+            started = time.monotonic()
+            self._inference_wait.observe(started - queued)
+            batch.outside_model_s = (
+                prepared.timings["decode_us"] + prepared.timings["features_us"]
+            ) / 1e6
+            # Again, now that its features are read: the work ahead may have grown.
+            full = [item for item in prepared.admitted if item.route is Route.FULL]
+            estimates = self._estimates(
+                "inference", started, len(batch.records), batch.reservation_s
             )
+            self.pipeline.route(full, estimates)
+            inference = asyncio.create_task(self._run_models(batch, prepared))
             await self._to_publish.put((batch, prepared, inference, time.monotonic()))
+
+    async def _run_models(self, batch: _Batch, prepared: Prepared) -> None:
+        try:
+            await self._retrying(batch, "inference", self.pipeline.infer, prepared)
+        finally:
+            self._completion.release(batch.reservation_s)
+        now = time.monotonic()
+        runs = prepared.run_seconds
+        if Route.FULL in runs:
+            self._completion.full_runs.observe(prepared.count(Route.FULL), runs[Route.FULL], now)
+        if Route.FALLBACK in runs:
+            self._completion.fallback_runs.observe(runs[Route.FALLBACK], now)
 
     async def _publish(self) -> None:
         while True:
@@ -167,29 +181,20 @@ class PipelineRunner:
             self._ack(batch.handles)
             done = time.monotonic()
             size = len(batch.records)
-            timings = prepared.timings
-            slowest_us = max(
-                timings["decode_us"] + timings["features_us"],
-                max(prepared.inference_us.values(), default=0),
-                (done - started) * 1_000_000,
-            )
-            self.policy.stage_times.observe(size, slowest_us / 1_000_000)
+            publish_s = done - started
+            slowest_s = max(batch.outside_model_s, *prepared.run_seconds.values(), publish_s)
+            self.policy.stage_times.observe(size, slowest_s)
             self.policy.completion_times.observe(size, done - batch.released)
-            full_events = prepared.count(Route.FULL)
-            (self._full if full_events else self._light).observe(batch, full_events, done)
+            self._completion.rest.observe(size, batch.outside_model_s + publish_s, done)
             await self.in_flight.done(size)
 
-    def _estimates(self, check: str) -> Estimates:
-        """Conservative seconds to an answer for a batch entering `check` (admission or
-        inference) now. Events sent to the fallback model are late ones, which mostly
-        fill batches without full-model work, so the light path's time is theirs."""
-        now = time.monotonic()
-        window = "from_release" if check == "admission" else "from_inference"
-        full_s = getattr(self._full, window).bounds(now)
-        fallback_s = getattr(self._light, window).bounds(now)(0)
-        self._metrics.estimate("full", check).set(full_s(1))
-        self._metrics.estimate("fallback", check).set(fallback_s)
-        return Estimates(full_s=full_s, fallback_s=fallback_s)
+    def _estimates(
+        self, check: str, now: float, batch_size: int, own_reservation_s: float = 0.0
+    ) -> Estimates:
+        estimates = self._completion.estimates(now, batch_size, own_reservation_s)
+        self._metrics.estimate("full", check).set(estimates.full_s(1))
+        self._metrics.estimate("fallback", check).set(estimates.fallback_s)
+        return estimates
 
     async def _retrying(self, batch: _Batch, stage: str, step: Callable[..., Awaitable], *args):
         for attempt, delay_s in enumerate((*RETRY_DELAYS_S, None), start=1):

@@ -55,7 +55,7 @@ OVERLOAD_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 RAMP_OK_SHARE = 0.9
 # The overload scenario's default model: about 3 ms of compute per event on one core, so
 # that the model, not Kafka or Python, bounds capacity (the case shedding is for).
-HEAVY_MODEL = {"width": 1024, "layers": 128}
+HEAVY_MODEL = {"width": 1024, "layers": 64}
 
 
 class BenchSettings(BaseModel):
