@@ -3,8 +3,8 @@ are answered (the degradation ladder).
 
 An event's deadline is its event time plus the pipeline's latency budget. Before any
 work is spent on it, and again before inference, the runner asks `Admission.decide`
-with an estimate of how long the rest of the path takes (`CompletionModel`: the model
-work already admitted ahead, the batch's own run, the rest of the path). An event
+with an estimate of how long the rest of the path takes (`streams/completion.py`: the
+model work already admitted ahead, the batch's own run, the rest of the path). An event
 that cannot be answered in full goes down the ladder, in order:
 
     fallback model  ->  cached answer  ->  default answer  ->  shed record
@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-from streams.batching import size_bucket
 
 
 class Route(enum.Enum):
@@ -144,110 +141,3 @@ class Admission:
         if self.ladder.default_answer:
             return Route.DEFAULT
         return Route.SHED
-
-
-class RecentTimes:
-    """A high quantile of the durations measured in the last `window_s` seconds.
-
-    Deadlines need a bound, not a mean: an event admitted with a mean estimate misses
-    its deadline half the time when it is admitted at the edge, which is exactly
-    where overload puts it. The window also forgets: a stall does not keep shedding
-    long after it ended, and with nothing measured lately the estimate is 0, so the
-    next batch takes the full path and measures it again.
-    """
-
-    def __init__(self, window_s: float = 2.0, quantile: float = 0.99, max_samples: int = 256):
-        self.window_s = window_s
-        self.quantile = quantile
-        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
-
-    def observe(self, seconds: float, now_s: float) -> None:
-        self._samples.append((now_s, seconds))
-
-    def bound(self, now_s: float) -> float:
-        """The quantile of recent durations; 0 when nothing was measured in the window."""
-        horizon = now_s - self.window_s
-        while self._samples and self._samples[0][0] < horizon:
-            self._samples.popleft()
-        if not self._samples:
-            return 0.0
-        durations = sorted(seconds for _, seconds in self._samples)
-        return durations[min(len(durations) - 1, math.ceil(self.quantile * len(durations)) - 1)]
-
-
-class SizedTimes:
-    """`RecentTimes` per batch-size bucket (powers of two). A size without recent
-    measurements is scaled linearly from the nearest bucket that has some."""
-
-    def __init__(self, window_s: float = 2.0, quantile: float = 0.99) -> None:
-        self._window_s = window_s
-        self._quantile = quantile
-        self._buckets: dict[int, RecentTimes] = {}
-
-    def observe(self, size: int, seconds: float, now_s: float) -> None:
-        bucket = size_bucket(size)
-        times = self._buckets.get(bucket)
-        if times is None:
-            times = self._buckets[bucket] = RecentTimes(self._window_s, self._quantile)
-        times.observe(seconds, now_s)
-
-    def bounds(self, now_s: float) -> Callable[[int], float]:
-        """Seconds for a batch of a given size, as of `now_s` (0 when nothing was
-        measured lately). Computed once here: admission asks it for every event."""
-        measured = {b: t.bound(now_s) for b, t in self._buckets.items()}
-        measured = {b: seconds for b, seconds in measured.items() if seconds > 0}
-
-        def bound(size: int) -> float:
-            if not measured:
-                return 0.0
-            bucket = size_bucket(size)
-            if bucket in measured:
-                return measured[bucket]
-            nearest = min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
-            return measured[nearest] * bucket / nearest
-
-        return bound
-
-
-class CompletionModel:
-    """When would a batch admitted now be answered? Its wait for the full-model work
-    admitted before it, its own run, and the rest of its path (decode, features, publish).
-
-    Measured queueing would lag and feed on itself (a slow spell makes admission shed,
-    so nothing is measured that could show it ended); here only service times are
-    measured (a high quantile of the recent ones, per batch size) and the work ahead is
-    counted: `reserve` when a batch is admitted, `release` when its model run ends.
-    Service times are properties of the model and the machine, so they are remembered
-    for a while (`window_s`): a quiet spell must not leave the next burst unestimated.
-    """
-
-    def __init__(self, sessions: int, window_s: float = 30.0, quantile: float = 0.95) -> None:
-        self._sessions = max(sessions, 1)
-        self.full_runs = SizedTimes(window_s, quantile)
-        """Seconds of one full-model run, by batch size."""
-        self.fallback_runs = RecentTimes(window_s, quantile)
-        self.rest = SizedTimes(window_s, quantile)
-        """Seconds a batch spends outside the model runs (decode, features, publish), by
-        its size: a backlog's large batches of cheap answers must not count for small ones."""
-        self._ahead_s = 0.0
-
-    def estimates(self, now_s: float, batch_size: int, own_reservation_s: float = 0.0) -> Estimates:
-        """For a batch of `batch_size` entering now; pass its own reservation once it
-        holds one."""
-        run = self.full_runs.bounds(now_s)
-        wait_s = max(0.0, self._ahead_s - own_reservation_s) / self._sessions
-        rest_s = self.rest.bounds(now_s)(batch_size)
-        return Estimates(
-            full_s=lambda n: wait_s + run(n) + rest_s,
-            fallback_s=wait_s + self.fallback_runs.bound(now_s) + rest_s,
-        )
-
-    def reserve(self, full_events: int, now_s: float) -> float:
-        """Count a batch's full-model work as ahead of later batches; returns the
-        reservation to `release` when its run ends."""
-        seconds = self.full_runs.bounds(now_s)(full_events) if full_events else 0.0
-        self._ahead_s += seconds
-        return seconds
-
-    def release(self, reservation_s: float) -> None:
-        self._ahead_s = max(0.0, self._ahead_s - reservation_s)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -241,25 +242,30 @@ def _progress(sent: int, collector: OutcomeCollector, skip: int) -> None:
 
 
 def _summary(predictions: list[dict], outcomes, expected: int, elapsed_s: float) -> None:
-    latencies = np.array([p["latency_ms"] for p in predictions])
-    missing = sum(1 for p in predictions if p["missing_features"])
+    latencies = np.array([p["latency_ms"] for p in predictions if p["status"] == "OK"])
+    missing = sum(1 for p in outcomes.predictions if p["missing_features"])
     reasons: dict[str, int] = {}
     for letter in outcomes.dead_letters:
         reason = letter.headers.get("headrace.error.reason", "?")
         reasons[reason] = reasons.get(reason, 0) + 1
     click.echo("outcomes (warm-up included):")
-    click.echo(
-        f"  predictions (OK)   {len(outcomes.predictions):>7}  "
-        f"({missing} scored with default features for a missing entity)"
-    )
+    for status in ("OK", "DEGRADED", "SHED"):
+        answers = [p for p in outcomes.predictions if p["status"] == status]
+        why = Counter(p["degraded_by"] or p["reason"] for p in answers)
+        detail = (
+            f"({missing} scored with default features for a missing entity)"
+            if status == "OK"
+            else dict(why)
+        )
+        click.echo(f"  {status:<18} {len(answers):>7}  {detail if answers else ''}")
     click.echo(f"  dead letters       {len(outcomes.dead_letters):>7}  {reasons}")
     click.echo(f"  unanswered         {max(0, expected - len(outcomes)):>7}")
     if len(latencies):
         p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
         click.echo(
-            f"measured window: {len(latencies) / elapsed_s:,.0f} predictions/s; end-to-end latency "
-            f"(Kafka timestamp to prediction read): p50 {p50:.1f} ms, p95 {p95:.1f} ms, "
-            f"p99 {p99:.1f} ms, max {latencies.max():.1f} ms"
+            f"measured window: {len(latencies) / elapsed_s:,.0f} answers in full (OK) per s; "
+            f"their end-to-end latency (Kafka timestamp to answer read): p50 {p50:.1f} ms, "
+            f"p95 {p95:.1f} ms, p99 {p99:.1f} ms, max {latencies.max():.1f} ms"
         )
 
 

@@ -30,8 +30,9 @@ from features.errors import FeatureStoreError
 from models.errors import ModelError
 from schemas.errors import RegistryError
 from streams import metrics
-from streams.admission import CompletionModel, Estimates, Route
+from streams.admission import Estimates, Route
 from streams.batching import BatchPolicy, MicroBatcher
+from streams.completion import CompletionModel
 from streams.errors import PublishError
 from streams.flow import InFlight
 from streams.pipeline import InputRecord, Pipeline, Prepared

@@ -24,7 +24,7 @@ def scrape(port: int) -> Scrape:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels = sample.name, sample.labels
-            if name == "headrace_events_total":
+            if name == "headrace_outcomes_total":
                 values["events"] += sample.value
             elif name in ("headrace_stage_seconds_sum", "headrace_stage_seconds_count"):
                 values[f"{labels['stage']}_{name.rsplit('_', 1)[1]}"] += sample.value

@@ -14,10 +14,9 @@ from streams.admission import (
     Candidate,
     Estimates,
     Ladder,
-    RecentTimes,
     Route,
-    SizedTimes,
 )
+from streams.completion import RecentTimes
 
 BUDGET_S = 0.100
 FULL_LADDER = Ladder(fallback_model=True, answer_cache=True, default_answer=True)
@@ -109,31 +108,6 @@ def test_an_urgent_event_limits_how_many_join_it():
     # Urgent alone: 10 ms; with one more: 15 ms; with two: 20 ms, past its 16 ms.
     assert [d.route for d in decisions] == [Route.FULL, Route.FULL, Route.FALLBACK, Route.FALLBACK]
     assert decisions[2].reason == DEADLINE_AT_RISK
-
-
-def test_sized_times_scale_from_the_nearest_measured_size():
-    times = SizedTimes(window_s=2.0)
-    assert times.bounds(0.0)(8) == 0.0
-    times.observe(8, 0.040, now_s=0.0)
-    bound = times.bounds(0.1)
-    assert bound(8) == bound(5) == pytest.approx(0.040)
-    assert bound(16) == pytest.approx(0.080)
-    assert times.bounds(3.0)(8) == 0.0  # forgotten
-
-
-def test_recent_times_bound_is_a_high_quantile_of_the_window():
-    times = RecentTimes(window_s=2.0, quantile=0.9)
-    assert times.bound(now_s=0.0) == 0.0  # nothing measured: optimistic, so it measures
-    for i in range(10):
-        times.observe(0.010 + i * 0.001, now_s=i * 0.1)
-    assert times.bound(now_s=1.0) == pytest.approx(0.018)
-    times.observe(0.500, now_s=1.0)  # a stall
-    assert times.bound(now_s=1.0) == pytest.approx(0.019)
-    times.observe(0.500, now_s=1.0)
-    assert times.bound(now_s=1.0) == pytest.approx(0.5)
-    # The stall is forgotten once it leaves the window.
-    times.observe(0.012, now_s=3.5)
-    assert times.bound(now_s=3.5) == pytest.approx(0.012)
 
 
 def simulate(offered_per_capacity: float, seconds: float = 20.0) -> dict:

@@ -42,6 +42,17 @@ def test_defaults_fill_what_is_left_out(tmp_path):
     config = load_config(write(tmp_path, data))
     assert config.pipelines[0].max_batch_size == 64
     assert config.registry is None
+    # No fallback model and no default answer: the answer cache, then shed records.
+    degradation = config.pipelines[0].degradation
+    assert degradation.fallback_model is None and degradation.default_score is None
+    assert degradation.answer_cache.max_entries > 0
+
+
+def test_the_fallback_model_path_resolves_like_the_model_path(tmp_path):
+    data = valid()
+    data["pipelines"][0]["degradation"] = {"fallback_model": {"path": "models/lite.onnx"}}
+    config = load_config(write(tmp_path, data))
+    assert config.pipelines[0].degradation.fallback_model.path == tmp_path / "models/lite.onnx"
 
 
 @pytest.mark.parametrize(
@@ -65,6 +76,12 @@ def test_defaults_fill_what_is_left_out(tmp_path):
          "should match pattern"),
         (lambda d: d["pipelines"][0].update(input_topic="bad topic"), "pipelines.0.input_topic",
          "should match pattern"),
+        (lambda d: d["pipelines"][0].update(priority={"default": 3}), "pipelines.0.priority",
+         "default priority 3 has no budget share"),
+        (lambda d: d["pipelines"][0].update(priority={"budget_shares": [1.0, 0.5]}),
+         "pipelines.0.priority.budget_shares", "must not decrease"),
+        (lambda d: d["pipelines"][0].update(degradation={"default_score": 2}),
+         "pipelines.0.degradation.default_score", "less than or equal to 1"),
     ],
 )  # fmt: skip
 def test_errors_name_file_and_field(tmp_path, edit, field, problem):

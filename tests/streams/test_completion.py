@@ -1,0 +1,56 @@
+"""The completion model: measured service times, counted work ahead, a clock passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from streams.completion import CompletionModel, RecentTimes, SizedTimes
+
+
+def test_sized_times_scale_from_the_nearest_measured_size():
+    times = SizedTimes(window_s=2.0)
+    assert times.bounds(0.0)(8) == 0.0
+    times.observe(8, 0.040, now_s=0.0)
+    bound = times.bounds(0.1)
+    assert bound(8) == bound(5) == pytest.approx(0.040)
+    assert bound(16) == pytest.approx(0.080)
+    assert times.bounds(3.0)(8) == 0.0  # forgotten
+
+
+def test_recent_times_bound_is_a_high_quantile_of_the_window():
+    times = RecentTimes(window_s=2.0, quantile=0.9)
+    assert times.bound(now_s=0.0) == 0.0  # nothing measured: optimistic, so it measures
+    for i in range(10):
+        times.observe(0.010 + i * 0.001, now_s=i * 0.1)
+    assert times.bound(now_s=1.0) == pytest.approx(0.018)
+    times.observe(0.500, now_s=1.0)  # a stall
+    assert times.bound(now_s=1.0) == pytest.approx(0.019)
+    times.observe(0.500, now_s=1.0)
+    assert times.bound(now_s=1.0) == pytest.approx(0.5)
+    # The stall is forgotten once it leaves the window.
+    times.observe(0.012, now_s=3.5)
+    assert times.bound(now_s=3.5) == pytest.approx(0.012)
+
+
+def test_work_admitted_ahead_delays_a_batch_until_its_run_ends():
+    model = CompletionModel(sessions=1)
+    model.full_runs.observe(4, 0.020, now_s=0.0)  # a run of 4 events takes 20 ms
+    model.rest.observe(4, 0.005, now_s=0.0)  # decode, features and publish: 5 ms
+    alone = model.estimates(now_s=0.1, batch_size=4).full_s(4)
+    assert alone == pytest.approx(0.025)
+    first = model.reserve(4, now_s=0.1)
+    behind = model.estimates(now_s=0.1, batch_size=4)
+    assert behind.full_s(4) == pytest.approx(0.045)
+    assert behind.fallback_s == pytest.approx(0.025)  # ordered behind it too
+    # The reserved batch itself does not wait for its own run.
+    assert model.estimates(0.1, 4, own_reservation_s=first).full_s(4) == pytest.approx(0.025)
+    model.release(first)
+    assert model.estimates(now_s=0.1, batch_size=4).full_s(4) == pytest.approx(0.025)
+
+
+def test_work_ahead_is_shared_by_the_sessions():
+    model = CompletionModel(sessions=2)
+    model.full_runs.observe(4, 0.020, now_s=0.0)
+    model.reserve(4, now_s=0.0)
+    model.reserve(4, now_s=0.0)
+    assert model.estimates(now_s=0.0, batch_size=4).full_s(4) == pytest.approx(0.040)
