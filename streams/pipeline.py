@@ -301,7 +301,8 @@ class Pipeline:
                 Route.CACHED: item.cached_score,
                 Route.DEFAULT: self.config.degradation.default_score,
             }.get(route, item.score)
-            missing = list(missing_of[item.row]) if item.row is not None else []
+            read_store = item.row is not None and self._needs_store(route)
+            missing = list(missing_of[item.row]) if read_store else []
             if route is Route.FULL:
                 for view in missing:
                     self.metrics.missing_features(view).inc()

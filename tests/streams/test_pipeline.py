@@ -1,0 +1,137 @@
+"""What each rung of the ladder writes, through the pipeline's stages with fake
+feature store, models and Kafka (the real ones are in test_worker and test_overload)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from features.lookup import FeatureRows
+from models.session import ModelMetadata
+from schemas.catalogue import LocalCatalogue, load_schema
+from schemas.codec import AvroDecoder, AvroEncoder
+from streams.admission import Estimates
+from streams.config import PipelineConfig
+from streams.demo import sample_config
+from streams.pipeline import InputRecord, Pipeline
+
+NOW_S = 1_800_000_000.0
+STORE = ("user_stats__txn_count_7d",)
+
+
+class FakePool:
+    def __init__(self, name: str, features: tuple[str, ...], score: float) -> None:
+        self.metadata = ModelMetadata(name, "1", features, (0.0,) * len(features), 0.5)
+        self.score = score
+        self.rows = 0
+
+    async def predict_timed(self, matrix: np.ndarray):
+        self.rows += len(matrix)
+        return np.full(len(matrix), self.score, dtype=np.float32), 0.001
+
+
+class FakeLookup:
+    feature_refs = list(STORE)
+
+    async def fetch(self, events):
+        return FeatureRows({STORE[0]: np.ones(len(events))}, [()] * len(events), len(events))
+
+
+class FakePublisher:
+    def __init__(self) -> None:
+        self.records = []
+
+    async def publish(self, records) -> None:
+        self.records += records
+
+
+def pipeline(default_score: float | None, fallback: bool = True) -> tuple[Pipeline, dict]:
+    raw = sample_config("k:9092", Path("repo"), Path("m.onnx"), default_score=default_score)
+    spec = PipelineConfig.model_validate(raw["pipelines"][0])
+    parts = {
+        "full": FakePool("full", ("amount", *STORE), 0.9),
+        "lite": FakePool("lite", ("amount",), 0.2) if fallback else None,
+        "publisher": FakePublisher(),
+    }
+    catalogue = LocalCatalogue()
+    built = Pipeline(
+        spec,
+        AvroDecoder(catalogue, "transaction.avsc"),
+        AvroEncoder(catalogue, "prediction.avsc", "out-value"),
+        FakeLookup(),
+        parts["full"],
+        parts["publisher"],
+        [f["name"] for f in load_schema("transaction.avsc")["fields"]],
+        fallback=parts["lite"],
+        clock=lambda: NOW_S,
+    )
+    return built, parts
+
+
+def records(ages_s: list[float], amount: float = 10.0) -> list[InputRecord]:
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", "in-value")
+    out = []
+    for offset, age_s in enumerate(ages_s):
+        event = {"event_id": f"e{offset}", "user_id": "u1", "merchant_id": "m1", "amount": amount,
+                 "hour_of_day": 3, "is_online": True, "event_time_ms": 0}  # fmt: skip
+        stamp_ms = int((NOW_S - age_s) * 1000)
+        out.append(InputRecord("in", 0, offset, stamp_ms, b"u1", encoder.encode(event)))
+    return out
+
+
+def run(built: Pipeline, parts: dict, batch: list[InputRecord], estimates: Estimates) -> list:
+    """One batch through the stages; the answers written, decoded."""
+
+    async def stages() -> None:
+        prepared = built.decode(batch)
+        built.route(prepared.admitted, estimates)
+        await built.read_features(prepared)
+        await built.infer(prepared)
+        await built.publish(prepared)
+
+    sent = len(parts["publisher"].records)
+    asyncio.run(stages())
+    decoder = AvroDecoder(LocalCatalogue(), "prediction.avsc")
+    return [decoder.decode(r.value) for r in parts["publisher"].records[sent:]]
+
+
+FAST = Estimates(full_s=lambda n: 0.010, fallback_s=0.002)
+# Budget 100 ms; the default priority (1) may use 75 of them.
+SLOW = Estimates(full_s=lambda n: 0.060, fallback_s=0.002)
+
+
+def test_each_event_gets_the_answer_its_deadline_allows():
+    built, parts = pipeline(default_score=None)
+    # 10 ms old: in full; 50 ms old: the full model's 60 ms would be late, the fallback's
+    # 2 ms is not; 2 s old: too late for any model, nothing cached, no default.
+    fresh, late, stale = run(built, parts, records([0.010, 0.050, 2.0]), SLOW)
+    assert (fresh["status"], fresh["model_name"]) == ("OK", "full")
+    assert fresh["score"] == pytest.approx(0.9)
+    assert (late["status"], late["degraded_by"], late["reason"]) == (
+        "DEGRADED", "fallback_model", "deadline_at_risk",
+    )  # fmt: skip
+    assert (late["model_name"], late["score"]) == ("lite", pytest.approx(0.2))
+    assert (stale["status"], stale["reason"], stale["degraded_by"]) == (
+        "SHED", "deadline_passed", None,
+    )  # fmt: skip
+    assert math.isnan(stale["score"]) and stale["label"] is False
+    # Each answer names its input; the full model ran once, on its event only.
+    assert [a["input_offset"] for a in (fresh, late, stale)] == [0, 1, 2]
+    assert parts["full"].rows == 1
+
+
+def test_an_identical_recent_input_gets_the_cached_answer_then_the_default():
+    built, parts = pipeline(default_score=0.05, fallback=False)
+    (first,) = run(built, parts, records([0.010]), FAST)
+    assert first["status"] == "OK"
+    cached, other = run(built, parts, records([2.0]) + records([2.0], amount=99.0), FAST)
+    assert (cached["status"], cached["degraded_by"], cached["score"]) == (
+        "DEGRADED", "cache", pytest.approx(0.9),
+    )  # fmt: skip
+    assert (other["status"], other["degraded_by"], other["score"]) == (
+        "DEGRADED", "default", pytest.approx(0.05),
+    )  # fmt: skip
