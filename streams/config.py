@@ -86,10 +86,12 @@ class PriorityConfig(_Frozen):
     """Event field holding the priority, used when the header is absent (None: not read)."""
     default: int = Field(1, ge=0)
     """Priority of an event that carries none (or an unreadable one)."""
-    budget_shares: list[float] = Field([0.5, 0.75, 1.0], min_length=1, max_length=16)
+    budget_shares: list[float] = Field([0.5, 1.0], min_length=1, max_length=16)
     """Per priority (index 0 is the lowest), the share of the latency budget its events
     may use; values beyond the list are clamped to it. Under overload, events of a lower
-    share degrade and shed first."""
+    share degrade and shed first. The default: 0 (low) gets half, 1 (normal, the default
+    priority) and above the whole budget; e.g. `[0.4, 0.7, 1.0]` makes 2 a high priority
+    that normal traffic yields to."""
 
     @field_validator("budget_shares")
     @classmethod

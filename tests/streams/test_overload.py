@@ -37,7 +37,7 @@ from tests.streams.test_worker import collector_for
 pytestmark = pytest.mark.integration
 
 BUDGET_MS = 250.0
-HIGH, LOW = 2, 0
+HIGH, LOW = 1, 0  # the default budget shares: normal (the whole budget) and low (half)
 RAMP_START_PER_S = 50.0
 RAMP_STEP_S = 3.0
 # Seconds of the calm phase after which nearly every event must be answered in full.
