@@ -49,9 +49,11 @@ class FakePublisher:
         self.records += records
 
 
-def pipeline(default_score: float | None, fallback: bool = True) -> tuple[Pipeline, dict]:
+def pipeline(
+    default_score: float | None = None, fallback: bool = True, **spec_overrides
+) -> tuple[Pipeline, dict]:
     raw = sample_config("k:9092", Path("repo"), Path("m.onnx"), default_score=default_score)
-    spec = PipelineConfig.model_validate(raw["pipelines"][0])
+    spec = PipelineConfig.model_validate({**raw["pipelines"][0], **spec_overrides})
     parts = {
         "full": FakePool("full", ("amount", *STORE), 0.9),
         "lite": FakePool("lite", ("amount",), 0.2) if fallback else None,
@@ -72,14 +74,15 @@ def pipeline(default_score: float | None, fallback: bool = True) -> tuple[Pipeli
     return built, parts
 
 
-def records(ages_s: list[float], amount: float = 10.0) -> list[InputRecord]:
+def records(ages_s: list[float], amount: float = 10.0, headers=(), **fields) -> list[InputRecord]:
     encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", "in-value")
     out = []
     for offset, age_s in enumerate(ages_s):
         event = {"event_id": f"e{offset}", "user_id": "u1", "merchant_id": "m1", "amount": amount,
-                 "hour_of_day": 3, "is_online": True, "event_time_ms": 0}  # fmt: skip
+                 "hour_of_day": 3, "is_online": True, "event_time_ms": 0, **fields}  # fmt: skip
         stamp_ms = int((NOW_S - age_s) * 1000)
-        out.append(InputRecord("in", 0, offset, stamp_ms, b"u1", encoder.encode(event)))
+        value = encoder.encode(event)
+        out.append(InputRecord("in", 0, offset, stamp_ms, b"u1", value, headers))
     return out
 
 
@@ -135,3 +138,29 @@ def test_an_identical_recent_input_gets_the_cached_answer_then_the_default():
     assert (other["status"], other["degraded_by"], other["score"]) == (
         "DEGRADED", "default", pytest.approx(0.05),
     )  # fmt: skip
+
+
+def test_priority_comes_from_the_header_then_the_field_then_the_default():
+    built, parts = pipeline(priority={"field": "priority"})
+    low = [("headrace-priority", b"0")]
+    batch = [
+        *records([0.030], headers=low),  # header: low: of its 70 ms left it may use 20, not 60
+        *records([0.030], priority=0),  # field: low too
+        *records([0.030], headers=[("headrace-priority", b"x")], priority=0),  # unreadable
+        *records([0.030]),  # none: normal, may use the whole 100 ms
+    ]
+    answers = run(built, parts, batch, SLOW)
+    assert [(a["status"], a["reason"]) for a in answers] == [
+        ("DEGRADED", "low_priority"),
+        ("DEGRADED", "low_priority"),
+        ("OK", None),  # an unreadable header gets the default, not the field
+        ("OK", None),
+    ]
+
+
+def test_deadlines_can_come_from_an_event_field():
+    built, parts = pipeline(event_time_field="event_time_ms")
+    # Fresh by its Kafka timestamp, but the event happened 2 s ago.
+    event_time_ms = int((NOW_S - 2.0) * 1000)
+    (answer,) = run(built, parts, records([0.001], event_time_ms=event_time_ms), FAST)
+    assert (answer["status"], answer["reason"]) == ("SHED", "deadline_passed")
