@@ -26,23 +26,27 @@ class RecentTimes:
     next batch takes the full path and measures it again.
     """
 
-    def __init__(self, window_s: float = 2.0, quantile: float = 0.99, max_samples: int = 256):
+    def __init__(self, window_s: float = 2.0, quantile: float = 0.99, max_samples: int = 128):
         self.window_s = window_s
         self.quantile = quantile
         self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._bound: float | None = None  # until the samples change: asked once per batch
 
     def observe(self, seconds: float, now_s: float) -> None:
         self._samples.append((now_s, seconds))
+        self._bound = None
 
     def bound(self, now_s: float) -> float:
         """The quantile of recent durations; 0 when nothing was measured in the window."""
         horizon = now_s - self.window_s
         while self._samples and self._samples[0][0] < horizon:
             self._samples.popleft()
-        if not self._samples:
-            return 0.0
-        durations = sorted(seconds for _, seconds in self._samples)
-        return durations[min(len(durations) - 1, math.ceil(self.quantile * len(durations)) - 1)]
+            self._bound = None
+        if self._bound is None:
+            durations = sorted(seconds for _, seconds in self._samples)
+            rank = math.ceil(self.quantile * len(durations)) - 1
+            self._bound = durations[min(len(durations) - 1, rank)] if durations else 0.0
+        return self._bound
 
 
 class SizedTimes:

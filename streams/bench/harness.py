@@ -53,6 +53,12 @@ EVENT_POOL = 20_000
 OVERLOAD_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 # The capacity ramp stops at the first step answering less than this share in full.
 RAMP_OK_SHARE = 0.9
+# A sweep step is within budget when at least this share is answered in full (status OK)
+# and the p99 of all answers is within the budget: the same 1% the p99 leaves out.
+IN_FULL_SHARE = 0.99
+# The sweep's workers keep the product's default latency budget: their deadlines
+# only shed what the verdict's tighter p99 bound (`budget_ms`) would count as late anyway.
+SWEEP_WORKER_BUDGET_MS = 100.0
 # The overload scenario's default model: about 3 ms of compute per event on one core, so
 # that the model, not Kafka or Python, bounds capacity (the case shedding is for).
 HEAVY_MODEL = {"width": 1024, "layers": 64}
@@ -104,7 +110,7 @@ class StepResult:
     statuses: dict[str, int]
     send_lag_ms: float
     within_budget: bool
-    """Every event answered in full (status OK), p99 within the budget."""
+    """Nothing lost, at least 99% answered in full (status OK), p99 within the budget."""
     overloaded: bool
     by_status: dict[str, LatencySummary] = field(default_factory=dict)
     multiple: float | None = None
@@ -190,8 +196,9 @@ class Bench:
             heavy = self.state_dir / "models" / "heavy.onnx"
             model = write_heavy_model(model, heavy, **HEAVY_MODEL)
         system, worker = self._start_pipeline_process(
-            name, worker=True, runtime=runtime, model_path=model
-        )
+            name, worker=True, runtime=runtime, model_path=model,
+            latency_budget_ms=self.settings.budget_ms,
+        )  # fmt: skip
         try:
             capacity = self._capacity(system)
             self.echo(f"  {name}: capacity {capacity:.0f} answers in full per second")
@@ -272,7 +279,12 @@ class Bench:
     # Mechanics ------------------------------------------------------------------
 
     def _start_pipeline_process(
-        self, name: str, worker: bool, runtime: str = "faust", model_path: Path | None = None
+        self,
+        name: str,
+        worker: bool,
+        runtime: str = "faust",
+        model_path: Path | None = None,
+        latency_budget_ms: float = SWEEP_WORKER_BUDGET_MS,
     ):
         suffix = f"-bench-{name}-{self.run_id}"
         port = free_port()
@@ -285,7 +297,7 @@ class Bench:
             max_batch_size=self.settings.max_batch_size,
             max_wait_ms=self.settings.max_wait_ms,
             runtime=runtime,
-            latency_budget_ms=self.settings.budget_ms,
+            latency_budget_ms=latency_budget_ms,
             fallback_model=fallback_path(self.model_path),
         )
         config_file = self.state_dir / f"{name}.yaml"
@@ -372,7 +384,9 @@ class Bench:
             latency=summary,
             statuses=dict(counts),
             send_lag_ms=report.max_lag_ms,
-            within_budget=answered_in_full == measured and summary.p99_ms <= settings.budget_ms,
+            within_budget=unanswered == 0
+            and answered_in_full >= IN_FULL_SHARE * measured
+            and summary.p99_ms <= settings.budget_ms,
             overloaded=unanswered > 0
             or summary.p99_ms > 4 * settings.budget_ms
             or answered_in_full < measured / 2,

@@ -17,7 +17,7 @@ PACKAGES = ("headrace", "faust-streaming", "aiokafka", "confluent-kafka", "fasta
 
 
 def sustainable(steps: list[StepResult], system: str) -> float:
-    """Highest offered rate that the system answered in full with p99 within budget."""
+    """Highest offered rate the system answered (99% in full) with p99 within budget."""
     passing = [s.offered_per_s for s in steps if s.system == system and s.within_budget]
     return max(passing, default=0.0)
 
