@@ -25,7 +25,7 @@ from models.synthetic import write_heavy_model
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from streams.audit import audit
+from streams.audit import audit, format_report
 from streams.bench.harness import HEAVY_MODEL
 from streams.demo import sample_config, write_config
 from streams.loadgen import sample_events, send_at_rate
@@ -184,6 +184,7 @@ def test_at_three_times_capacity_answers_in_full_meet_the_budget(overload):
 def test_every_input_has_exactly_one_outcome_and_the_counters_agree(overload):
     found = overload["audit"]
     assert (found.missing, found.duplicated) == (0, 0)
+    assert format_report([found]).endswith("every committed input has exactly one outcome")
     assert found.inputs == overload["sent"]
     assert sum(found.outcomes.values()) == found.inputs
     counted = Counter()

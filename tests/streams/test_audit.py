@@ -1,0 +1,62 @@
+"""`headrace audit` on hand-written outcomes: it finds what is missing and what is repeated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from models.session import ModelMetadata
+from schemas.catalogue import LocalCatalogue
+from schemas.codec import AvroEncoder
+from streams.audit import audit, format_report
+from streams.cli import cli
+from streams.pipeline import InputRecord, prediction
+from tests.helpers import produce_raw
+
+pytestmark = pytest.mark.integration
+
+META = ModelMetadata("m", "1", ("amount",), (0.0,), 0.5)
+TIMINGS = {"batch_size": 1, "decode_us": 0, "features_us": 0, "inference_us": 0}
+
+
+def test_audit_reports_inputs_without_an_outcome_and_with_several(deploy, kafka):
+    deployment = deploy(partitions=1)
+    spec = deployment.spec
+    bootstrap = kafka.bootstrap_servers
+    produce_raw(bootstrap, spec.input_topic, [b"i0", b"i1", b"i2", b"i3", b"i4"])
+    encoder = AvroEncoder(LocalCatalogue(), "prediction.avsc", f"{spec.output_topic}-value")
+    producer = Producer({"bootstrap.servers": bootstrap})
+
+    def answer(offset: int, status: str = "OK") -> None:
+        record = InputRecord(spec.input_topic, 0, offset, 0, b"k", b"")
+        value = prediction({"event_id": f"e{offset}"}, record, META, 0.5, [], TIMINGS)
+        producer.produce(spec.output_topic, encoder.encode({**value, "status": status}), b"k")
+
+    answer(0)
+    answer(1, "SHED")
+    answer(1, "SHED")  # answered twice
+    headers = [("headrace.input.topic", spec.input_topic.encode()),
+               ("headrace.input.partition", b"0"), ("headrace.input.offset", b"3")]  # fmt: skip
+    producer.produce(spec.dead_letter_topic, b"i3", b"k", headers=headers)
+    # Offset 2 has no outcome; offset 4 is answered but not committed (still in flight).
+    answer(4)
+    assert producer.flush(30) == 0
+    group = Consumer({"bootstrap.servers": bootstrap, "group.id": deployment.config.app_id})
+    group.commit(offsets=[TopicPartition(spec.input_topic, 0, 4)], asynchronous=False)
+    group.close()
+
+    (found,) = audit(deployment.config)
+    (partition,) = found.partitions
+    assert (partition.committed, partition.inputs) == (4, 4)
+    assert (partition.missing, partition.duplicated) == ([2], [1])
+    assert dict(partition.outcomes) == {"OK": 1, "SHED": 2, "DEAD_LETTER": 1}
+    assert partition.uncommitted == 1
+    assert not found.exact
+    assert "NOT EXACT" in format_report([found])
+
+    result = CliRunner().invoke(cli, ["audit", "-c", str(deployment.config_file), "--json"])
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.output)[0]["partitions"][0]["first_missing"] == [2]
