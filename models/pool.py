@@ -80,6 +80,12 @@ class SessionPool:
         return [m.session.providers for m in self._members]
 
     @property
+    def warmup_seconds(self) -> dict[int, float]:
+        """Per batch size, the slowest session's warm-up run: a first estimate of run times."""
+        sizes = self._members[0].session.warmup_seconds
+        return {n: max(m.session.warmup_seconds[n] for m in self._members) for n in sizes}
+
+    @property
     def size(self) -> int:
         """Sessions in the pool: how many batches run at once."""
         return len(self._members)

@@ -99,8 +99,12 @@ class ModelSession:
         # Outputs of the exported classifier: label, then class probabilities.
         self._probabilities_output = self._session.get_outputs()[-1].name
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"onnx-{self.metadata.name}")
+        self.warmup_seconds: dict[int, float] = {}
+        """Seconds of the warm-up run at each batch size (after a first, untimed one)."""
+        width = len(self.metadata.feature_names)
         for size in warmup_batch_sizes:
-            self.predict(np.zeros((size, len(self.metadata.feature_names)), dtype=np.float32))
+            self.predict(np.zeros((size, width), dtype=np.float32))
+            self.warmup_seconds[size] = self._timed(np.zeros((size, width), np.float32))[1]
 
     def predict(self, matrix: np.ndarray) -> np.ndarray:
         """Positive-class probability per row of a float32 (batch, features) matrix."""

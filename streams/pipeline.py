@@ -133,6 +133,7 @@ class Pipeline:
     ) -> None:
         self.config = config
         self.model = model
+        self.fallback_model = fallback
         self._decoder = decoder
         self._encoder = encoder
         self._lookup = lookup

@@ -86,7 +86,17 @@ class PipelineRunner:
         self._publish_wait = metrics.QUEUE_SECONDS.labels(self._name, "publish")
         self._retries = metrics.RETRIES.labels(self._name)
         self._completion = CompletionModel(sessions=concurrent_inference)
+        self._seed_run_times()
         self._metrics = pipeline.metrics
+
+    def _seed_run_times(self) -> None:
+        # The models' warm-up runs: better first estimates than none, until measured.
+        now = time.monotonic()
+        for size, seconds in self.pipeline.model.warmup_seconds.items():
+            self._completion.full_runs.observe(size, seconds, now)
+        if self.pipeline.fallback_model is not None:
+            warmup = self.pipeline.fallback_model.warmup_seconds
+            self._completion.fallback_runs.observe(max(warmup.values()), now)
 
     def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
         """Hand consumed records over, each with the handle the ack callback receives."""

@@ -73,3 +73,8 @@ def test_warmup_covers_every_size_a_small_batcher_emits():
     assert warmup_sizes(64) == tuple(range(1, 65))
     sizes = warmup_sizes(1000)
     assert sizes[:128] == tuple(range(1, 129)) and sizes[-1] == 1000 and 512 in sizes
+
+
+def test_warmup_times_every_size_as_a_first_estimate_of_run_times(pool):
+    assert set(pool.warmup_seconds) == {1, 8, 64}
+    assert all(seconds > 0 for seconds in pool.warmup_seconds.values())
