@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
 from infra.errors import InfraError
 
@@ -44,3 +51,18 @@ def delete_topics(bootstrap_servers: str, names: Iterable[str]) -> None:
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise InfraError(f"could not delete topic {name!r}: {exc}") from exc
+
+
+def set_topic_config(bootstrap_servers: str, topic: str, settings: Mapping[str, str]) -> None:
+    """Set some of a topic's configs (e.g. `message.timestamp.type`), leaving the others."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    entries = [
+        ConfigEntry(key, value, incremental_operation=AlterConfigOpType.SET)
+        for key, value in settings.items()
+    ]
+    resource = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=entries)
+    for future in admin.incremental_alter_configs([resource]).values():
+        try:
+            future.result()
+        except KafkaException as exc:
+            raise InfraError(f"could not configure topic {topic!r}: {exc}") from exc

@@ -85,14 +85,26 @@ class Candidate:
     """Whether the answer cache holds a fresh answer for its input."""
 
 
+# Share of the budget admission keeps in hand for what its estimates cannot see: the
+# consumer reading the answer, stalls of the event loop, the machine or the broker.
+MARGIN_SHARE = 0.1
+
+
 class Admission:
-    def __init__(self, budget_s: float, budget_shares: Sequence[float], ladder: Ladder) -> None:
+    def __init__(
+        self,
+        budget_s: float,
+        budget_shares: Sequence[float],
+        ladder: Ladder,
+        margin_share: float = MARGIN_SHARE,
+    ) -> None:
         if not budget_shares or not all(0 < share <= 1 for share in budget_shares):
             raise ValueError(f"budget shares must be in (0, 1], got {list(budget_shares)}")
         self.budget_s = budget_s
         self.ladder = ladder
+        self._margin_s = budget_s * margin_share
         # Seconds an event of each priority must keep in hand before its deadline.
-        self._reserve_s = [budget_s * (1 - share) for share in budget_shares]
+        self._reserve_s = [budget_s * (1 - share) + self._margin_s for share in budget_shares]
 
     @property
     def top_priority(self) -> int:
@@ -124,7 +136,7 @@ class Admission:
                 continue
             if left_s <= 0:
                 reason = DEADLINE_PASSED
-            elif min(left_s, tightest_s) >= needed_s:
+            elif min(left_s - self._margin_s, tightest_s) >= needed_s:
                 reason = LOW_PRIORITY
             else:
                 reason = DEADLINE_AT_RISK

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, Message
+from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, Message
 
 from schemas.codec import AvroDecoder
 
@@ -138,6 +138,14 @@ class OutcomeCollector:
                 if message.topic() == self._output_topic:
                     prediction = self._decoder.decode(message.value())
                     prediction["latency_ms"] = read_ms - prediction["event_timestamp_ms"]
+                    # On a topic with LogAppendTime: when the broker appended the answer,
+                    # i.e. when it became visible to every consumer (not just this one).
+                    kind, appended_ms = message.timestamp()
+                    prediction["visible_latency_ms"] = (
+                        appended_ms - prediction["event_timestamp_ms"]
+                        if kind == TIMESTAMP_LOG_APPEND_TIME
+                        else None
+                    )
                     prediction["key"] = message.key()
                     self._outcomes.predictions.append(prediction)
                 else:

@@ -104,16 +104,28 @@ class CompletionModel:
         """Seconds a batch spends outside the model runs (decode, features, publish), by
         its size: a backlog's large batches of cheap answers must not count for small ones."""
         self._ahead_s = 0.0
+        self._first_full_runs = SizedTimes(math.inf, quantile)
+        self._first_fallback_run_s = 0.0
+
+    def seed(self, full_runs: dict[int, float], fallback_run_s: float = 0.0) -> None:
+        """Run times to use while nothing has been measured (the models' warm-up runs:
+        on an idle machine, so optimistic, but better than none)."""
+        for size, seconds in full_runs.items():
+            self._first_full_runs.observe(size, seconds, 0.0)
+        self._first_fallback_run_s = fallback_run_s
 
     def estimates(self, now_s: float, batch_size: int, own_reservation_s: float = 0.0) -> Estimates:
         """For a batch of `batch_size` entering now; pass its own reservation once it
         holds one."""
         run = self.full_runs.bounds(now_s)
+        if run(1) == 0.0:  # nothing measured lately
+            run = self._first_full_runs.bounds(now_s)
+        fallback_run_s = self.fallback_runs.bound(now_s) or self._first_fallback_run_s
         wait_s = max(0.0, self._ahead_s - own_reservation_s) / self._sessions
         rest_s = self.rest.bounds(now_s)(batch_size)
         return Estimates(
             full_s=lambda n: wait_s + run(n) + rest_s,
-            fallback_s=wait_s + self.fallback_runs.bound(now_s) + rest_s,
+            fallback_s=wait_s + fallback_run_s + rest_s,
         )
 
     def reserve(self, full_events: int, now_s: float) -> float:

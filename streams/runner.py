@@ -91,12 +91,11 @@ class PipelineRunner:
 
     def _seed_run_times(self) -> None:
         # The models' warm-up runs: better first estimates than none, until measured.
-        now = time.monotonic()
-        for size, seconds in self.pipeline.model.warmup_seconds.items():
-            self._completion.full_runs.observe(size, seconds, now)
-        if self.pipeline.fallback_model is not None:
-            warmup = self.pipeline.fallback_model.warmup_seconds
-            self._completion.fallback_runs.observe(max(warmup.values()), now)
+        fallback = self.pipeline.fallback_model
+        self._completion.seed(
+            self.pipeline.model.warmup_seconds,
+            max(fallback.warmup_seconds.values()) if fallback is not None else 0.0,
+        )
 
     def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
         """Hand consumed records over, each with the handle the ack callback receives."""

@@ -61,7 +61,7 @@ IN_FULL_SHARE = 0.99
 SWEEP_WORKER_BUDGET_MS = 100.0
 # The overload scenario's default model: about 3 ms of compute per event on one core, so
 # that the model, not Kafka or Python, bounds capacity (the case shedding is for).
-HEAVY_MODEL = {"width": 1024, "layers": 64}
+HEAVY_MODEL = {"width": 1024, "layers": 128}
 
 
 class BenchSettings(BaseModel):

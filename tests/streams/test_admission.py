@@ -22,8 +22,8 @@ BUDGET_S = 0.100
 FULL_LADDER = Ladder(fallback_model=True, answer_cache=True, default_answer=True)
 
 
-def admission(ladder: Ladder = FULL_LADDER, shares=(0.5, 1.0)) -> Admission:
-    return Admission(BUDGET_S, shares, ladder)
+def admission(ladder: Ladder = FULL_LADDER, shares=(0.5, 1.0), margin_share=0.0) -> Admission:
+    return Admission(BUDGET_S, shares, ladder, margin_share)
 
 
 NOW_S = 1_000.0
@@ -79,6 +79,13 @@ def test_a_low_priority_may_use_only_its_share_of_the_budget():
     # ... and degrades further down the ladder, sooner than the high priority would.
     assert decide(admit, left_s=0.052, priority=0, fallback_s=0.005).route is Route.DEFAULT
     assert decide(admit, left_s=0.052, priority=1, fallback_s=0.005).route is Route.FULL
+
+
+def test_a_margin_of_the_budget_is_kept_in_hand():
+    # 35 ms left, 30 ms needed: taken without a margin, not with 10 ms of it.
+    assert decide(admission(margin_share=0.0), left_s=0.035).route is Route.FULL
+    with_margin = decide(admission(margin_share=0.1), left_s=0.035)
+    assert (with_margin.route, with_margin.reason) == (Route.FALLBACK, DEADLINE_AT_RISK)
 
 
 def test_priorities_outside_the_configured_range_are_clamped():

@@ -54,3 +54,12 @@ def test_work_ahead_is_shared_by_the_sessions():
     model.reserve(4, now_s=0.0)
     model.reserve(4, now_s=0.0)
     assert model.estimates(now_s=0.0, batch_size=4).full_s(4) == pytest.approx(0.040)
+
+
+def test_warm_up_runs_stand_in_until_something_is_measured():
+    model = CompletionModel(sessions=1)
+    model.seed({4: 0.010}, fallback_run_s=0.001)
+    first = model.estimates(now_s=0.0, batch_size=4)
+    assert (first.full_s(4), first.fallback_s) == (pytest.approx(0.010), pytest.approx(0.001))
+    model.full_runs.observe(4, 0.030, now_s=1.0)
+    assert model.estimates(now_s=1.0, batch_size=4).full_s(4) == pytest.approx(0.030)

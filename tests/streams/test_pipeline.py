@@ -103,13 +103,13 @@ def run(built: Pipeline, parts: dict, batch: list[InputRecord], estimates: Estim
 
 
 FAST = Estimates(full_s=lambda n: 0.010, fallback_s=0.002)
-# Budget 100 ms; the default priority (1) may use 75 of them.
-SLOW = Estimates(full_s=lambda n: 0.060, fallback_s=0.002)
+# Budget 100 ms, of which admission keeps 10 in hand; low priority (0) may use half.
+SLOW = Estimates(full_s=lambda n: 0.055, fallback_s=0.002)
 
 
 def test_each_event_gets_the_answer_its_deadline_allows():
     built, parts = pipeline(default_score=None)
-    # 10 ms old: in full; 50 ms old: the full model's 60 ms would be late, the fallback's
+    # 10 ms old: in full; 50 ms old: the full model's 55 ms would be late, the fallback's
     # 2 ms is not; 2 s old: too late for any model, nothing cached, no default.
     fresh, late, stale = run(built, parts, records([0.010, 0.050, 2.0]), SLOW)
     assert (fresh["status"], fresh["model_name"]) == ("OK", "full")
@@ -144,7 +144,7 @@ def test_priority_comes_from_the_header_then_the_field_then_the_default():
     built, parts = pipeline(priority={"field": "priority"})
     low = [("headrace-priority", b"0")]
     batch = [
-        *records([0.030], headers=low),  # header: low: of its 70 ms left it may use 20, not 60
+        *records([0.030], headers=low),  # header: low: of its 70 ms left it may use 10
         *records([0.030], priority=0),  # field: low too
         *records([0.030], headers=[("headrace-priority", b"x")], priority=0),  # unreadable
         *records([0.030]),  # none: normal, may use the whole 100 ms
