@@ -87,7 +87,7 @@ class Candidate:
 
 # Share of the budget admission keeps in hand for what its estimates cannot see: the
 # consumer reading the answer, stalls of the event loop, the machine or the broker.
-MARGIN_SHARE = 0.1
+MARGIN_SHARE = 0.05
 
 
 class Admission:
