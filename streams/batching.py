@@ -44,16 +44,19 @@ class ServiceTimes:
 
         An unmeasured size is scaled linearly from the nearest measured bucket.
         """
-        if not self._seconds:
-            return 0.0
-        bucket = size_bucket(size)
-        if bucket in self._seconds:
-            return self._seconds[bucket]
-        nearest = min(self._seconds, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
-        return self._seconds[nearest] * max(size, 1) / nearest
+        return scaled_from_nearest(self._seconds, size)
 
-    def snapshot(self) -> dict[int, float]:
-        return dict(self._seconds)
+
+def scaled_from_nearest(by_bucket: dict[int, float], size: int) -> float:
+    """Seconds for `size` from seconds per size bucket: its own bucket's, else the nearest
+    measured bucket's scaled linearly; 0 when nothing is measured."""
+    if not by_bucket:
+        return 0.0
+    bucket = size_bucket(size)
+    if bucket in by_bucket:
+        return by_bucket[bucket]
+    nearest = min(by_bucket, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+    return by_bucket[nearest] * max(size, 1) / nearest
 
 
 @dataclass(frozen=True)

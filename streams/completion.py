@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 
 from streams.admission import Estimates
-from streams.batching import size_bucket
+from streams.batching import scaled_from_nearest, size_bucket
 
 
 class RecentTimes:
@@ -70,17 +70,7 @@ class SizedTimes:
         measured lately). Computed once here: admission asks it for every event."""
         measured = {b: t.bound(now_s) for b, t in self._buckets.items()}
         measured = {b: seconds for b, seconds in measured.items() if seconds > 0}
-
-        def bound(size: int) -> float:
-            if not measured:
-                return 0.0
-            bucket = size_bucket(size)
-            if bucket in measured:
-                return measured[bucket]
-            nearest = min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
-            return measured[nearest] * bucket / nearest
-
-        return bound
+        return lambda size: scaled_from_nearest(measured, size)
 
 
 class CompletionModel:
@@ -117,9 +107,7 @@ class CompletionModel:
     def estimates(self, now_s: float, batch_size: int, own_reservation_s: float = 0.0) -> Estimates:
         """For a batch of `batch_size` entering now; pass its own reservation once it
         holds one."""
-        run = self.full_runs.bounds(now_s)
-        if run(1) == 0.0:  # nothing measured lately
-            run = self._first_full_runs.bounds(now_s)
+        run = self._full_run_bounds(now_s)
         fallback_run_s = self.fallback_runs.bound(now_s) or self._first_fallback_run_s
         wait_s = max(0.0, self._ahead_s - own_reservation_s) / self._sessions
         rest_s = self.rest.bounds(now_s)(batch_size)
@@ -131,9 +119,15 @@ class CompletionModel:
     def reserve(self, full_events: int, now_s: float) -> float:
         """Count a batch's full-model work as ahead of later batches; returns the
         reservation to `release` when its run ends."""
-        seconds = self.full_runs.bounds(now_s)(full_events) if full_events else 0.0
+        seconds = self._full_run_bounds(now_s)(full_events) if full_events else 0.0
         self._ahead_s += seconds
         return seconds
+
+    def _full_run_bounds(self, now_s: float) -> Callable[[int], float]:
+        run = self.full_runs.bounds(now_s)
+        if run(1) == 0.0:  # nothing measured lately: the warm-up runs stand in
+            run = self._first_full_runs.bounds(now_s)
+        return run
 
     def release(self, reservation_s: float) -> None:
         self._ahead_s = max(0.0, self._ahead_s - reservation_s)

@@ -259,7 +259,8 @@ def _summary(measured: list[dict], outcomes, expected: int, elapsed_s: float) ->
     reasons = Counter(d.headers.get("headrace.error.reason", "?") for d in outcomes.dead_letters)
     click.echo(f"  dead letters {len(outcomes.dead_letters):>7}  {dict(reasons)}")
     click.echo(f"  unanswered   {max(0, expected - len(outcomes)):>7}  (warm-up included)")
-    warmup = Counter(p["status"] for p in outcomes.predictions if p not in measured)
+    counted = {id(p) for p in measured}
+    warmup = Counter(p["status"] for p in outcomes.predictions if id(p) not in counted)
     click.echo(f"warm-up (not counted): {dict(warmup)}")
     latencies = np.array([p["latency_ms"] for p in measured if p["status"] == "OK"])
     if len(latencies):

@@ -63,3 +63,10 @@ def test_warm_up_runs_stand_in_until_something_is_measured():
     assert (first.full_s(4), first.fallback_s) == (pytest.approx(0.010), pytest.approx(0.001))
     model.full_runs.observe(4, 0.030, now_s=1.0)
     assert model.estimates(now_s=1.0, batch_size=4).full_s(4) == pytest.approx(0.030)
+
+
+def test_a_reservation_counts_the_warm_up_run_time_until_something_is_measured():
+    model = CompletionModel(sessions=1)
+    model.seed({4: 0.010})
+    assert model.reserve(4, now_s=0.0) == pytest.approx(0.010)
+    assert model.estimates(now_s=0.0, batch_size=4).full_s(4) == pytest.approx(0.020)
