@@ -185,6 +185,8 @@ class HeadraceConfig(_Frozen):
     runtime: Literal["faust", "bare"] = "faust"
     """`faust`: Faust agents consume; `bare`: a confluent-kafka consumer feeds the same
     batcher and stages without Faust (leaner; see the benchmark for the difference)."""
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    """The asyncio event loop implementation: uvloop (faster hand-offs) or the standard one."""
     broker: BrokerConfig = BrokerConfig()
     registry: RegistryConfig | None = None
     """Without a registry, schema ids resolve from the local catalogue in `schemas/`."""

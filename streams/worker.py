@@ -1,14 +1,12 @@
 """The headrace worker: a Faust app with one agent per configured pipeline.
 
-Faust consumes (group membership, partitions, committing acked offsets); each agent
-hands raw-byte records to its pipeline's `PipelineRunner`, which batches, overlaps
-the stages and acknowledges each record once its outcome is written. Faust
-behaviours that shape this module (DESIGN.md, known traps):
+Faust consumes (group membership, partitions, fetching, committing acked offsets);
+each agent takes its input topic's records a fetch at a time (`streams/faust_feed.py`:
+Faust's own per-record delivery cost more than the whole pipeline) and hands them to
+its pipeline's `PipelineRunner`, which batches, overlaps the stages and acknowledges
+each record through Faust's consumer once its outcome is written; Faust commits only
+acknowledged offsets. Faust behaviours that shape this module (DESIGN.md, known traps):
 
-- `take_events` acks every event of a chunk when the loop resumes, and also in a
-  `finally` on cancellation. Each event's message therefore gets one extra reference
-  here (`incref`); Faust's ack only drops that to one, and the runner's ack after
-  publishing drops it to zero, which is when Faust may commit the offset.
 - A batch that cannot be written ends the process at once (`os._exit`), so nothing
   unwritten is ever committed; Kafka replays it to the next worker.
 - Faust's own `concurrency` must stay 1 per agent: more can commit past unprocessed offsets.
@@ -19,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import tempfile
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -36,6 +35,7 @@ from streams import metrics
 from streams.batching import BatchPolicy, ServiceTimes
 from streams.config import HeadraceConfig, ModelConfig, PipelineConfig
 from streams.errors import ConfigError
+from streams.faust_feed import FeedApp
 from streams.flow import InFlight
 from streams.pipeline import InputRecord, Pipeline
 from streams.publisher import Publisher
@@ -145,7 +145,7 @@ def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoRet
 
 
 def build_app(config: HeadraceConfig, pipelines: list[Pipeline]) -> faust.App:
-    app = faust.App(
+    app = FeedApp(
         config.app_id,
         broker=f"kafka://{config.broker.bootstrap_servers}",
         store="memory://",
@@ -155,15 +155,16 @@ def build_app(config: HeadraceConfig, pipelines: list[Pipeline]) -> faust.App:
         topic_allow_declare=False,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=1.0,
-        # Faust's own per-partition buffer, on top of the in-flight bound.
-        stream_buffer_maxsize=max(p.config.max_batch_size for p in pipelines) * 4,
+        # A fetch is handed to an agent whole: its size bounds how far a chunk can go
+        # past the in-flight bound (as the bare runtime's chunk does).
+        broker_max_poll_records=max(p.config.max_batch_size for p in pipelines),
     )
     for pipeline in pipelines:
         _add_agent(app, pipeline)
     return app
 
 
-def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
+def _add_agent(app: FeedApp, pipeline: Pipeline) -> None:
     spec: PipelineConfig = pipeline.config
     topic = app.topic(
         spec.input_topic,
@@ -173,20 +174,26 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
         value_serializer="raw",
     )
 
-    # At the bound the agent stops taking events; Faust's stream buffer then fills and
-    # Faust pauses fetching itself (stream_buffer_maxsize). Pausing its partitions from
-    # here as well left them paused after resume_partitions in faust-streaming 0.15.
+    # At the bound the agent stops taking chunks; its feed fills, Faust's fetch loop
+    # waits on it and fetching stops (bounded by aiokafka's own buffer).
     in_flight = InFlight(spec.name, high=spec.max_in_flight, low=spec.resume_at)
-    runner = make_runner(pipeline, in_flight, _ack_events)
 
-    async def consume(stream) -> None:
+    def ack(messages: list) -> None:
+        # The outcomes are written: Faust may now commit these offsets.
+        consumer_ack = app.consumer.ack
+        for message in messages:
+            consumer_ack(message)
+
+    runner = make_runner(pipeline, in_flight, ack)
+    app.add_feed(topic)
+
+    async def consume(_stream) -> None:
+        # The agent's stream stays unused: records arrive a fetch at a time on the feed.
         await runner.start()
         try:
-            # Small chunks, handed over at once: the runner's batcher decides batching.
-            async for events in stream.take_events(spec.max_batch_size, within=0.001):
-                for event in events:
-                    event.message.incref()
-                runner.submit([_input_record(event.message) for event in events], events)
+            while True:
+                messages = await app.take(spec.input_topic)
+                runner.submit([_input_record(message) for message in messages], messages)
                 # At the bound: take nothing more until drained to the low-water mark.
                 await in_flight.wait_resumed()
         except asyncio.CancelledError:
@@ -199,12 +206,6 @@ def _add_agent(app: faust.App, pipeline: Pipeline) -> None:
     app.agent(topic, name=f"headrace.{spec.name}", concurrency=1)(consume)
 
 
-def _ack_events(events: list) -> None:
-    # Drops the reference taken on receipt: Faust may now commit these offsets.
-    for event in events:
-        event.ack()
-
-
 def _input_record(message) -> InputRecord:
     return InputRecord(
         topic=message.topic,
@@ -214,16 +215,13 @@ def _input_record(message) -> InputRecord:
         timestamp_ms=round(message.timestamp * 1000),
         key=message.key,
         value=message.value,
-        headers=_headers(message.headers),
+        headers=message.headers or (),
     )
 
 
-def _headers(headers) -> tuple[tuple[str, bytes], ...]:
-    # Faust passes aiokafka's (name, value) pairs, or a mapping where it built the message.
-    if not headers:
-        return ()
-    pairs = headers.items() if hasattr(headers, "items") else headers
-    return tuple((name, value) for name, value in pairs)
+def _stop_while_starting(_signum, _frame) -> NoReturn:
+    log.info("stopped while starting: nothing was consumed")
+    raise SystemExit(0)
 
 
 def check_topics(config: HeadraceConfig) -> None:
@@ -257,7 +255,14 @@ def create_topics(config: HeadraceConfig, partitions: int) -> list[str]:
 
 def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
     """Run until SIGTERM or SIGINT; on a clean stop every answered input is committed."""
+    # Until a runtime installs its own handlers nothing was consumed: a stop is clean.
+    signal.signal(signal.SIGTERM, _stop_while_starting)
     check_topics(config)
+    if config.event_loop == "uvloop":
+        import uvloop
+
+        # Before anything asks for a loop: Faust and the bare runtime both take the policy's.
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     logging.getLogger().setLevel({"warn": "WARNING"}.get(log_level, log_level.upper()))
     with ExitStack() as resources:
         publisher = Publisher(config.broker.bootstrap_servers)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import shutil
+import threading
 import time
 import uuid
 from collections import Counter
@@ -36,6 +38,8 @@ from models.synthetic import write_heavy_model
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
+from streams.bench import flame
+from streams.bench.cpu import CpuMeter
 from streams.bench.latency import LatencyLog, LatencySummary, prediction_reader, raw_reader
 from streams.bench.profile import scrape, stage_profile
 from streams.collector import TopicReader
@@ -62,6 +66,11 @@ SWEEP_WORKER_BUDGET_MS = 100.0
 # The overload scenario's default model: about 3 ms of compute per event on one core, so
 # that the model, not Kafka or Python, bounds capacity (the case shedding is for).
 HEAVY_MODEL = {"width": 1024, "layers": 128}
+# Workers also run one step at this rate, to compare runtimes' CPU per event at one load.
+CPU_CHECK_PER_S = 1_000.0
+# An idle worker's CPU: measured over IDLE_MEASURE_S after IDLE_SETTLE_S without input.
+IDLE_SETTLE_S = 3.0
+IDLE_MEASURE_S = 5.0
 
 
 class BenchSettings(BaseModel):
@@ -71,7 +80,13 @@ class BenchSettings(BaseModel):
     """Offered rates (events/s) to run; empty means a geometric sweep."""
     sweep_start_per_s: float = Field(100.0, gt=0)
     sweep_factor: float = Field(2.0, gt=1)
-    sweep_max_per_s: float = Field(12_800.0, gt=0)
+    sweep_max_per_s: float = Field(25_600.0, gt=0)
+    refine_steps: int = Field(3, ge=0, le=8)
+    """Bisections between a system's highest passing and lowest failing rate."""
+    repeats: int = Field(2, ge=1, le=5)
+    """Runs of each refining rate; it passes only if every run does."""
+    profile: bool = True
+    """Sample each worker with py-spy at its sustainable rate (flame graph, stage split)."""
     warmup_s: float = Field(2.0, ge=0)
     measure_s: float = Field(5.0, gt=0)
     drain_timeout_s: float = Field(15.0, gt=0)
@@ -116,6 +131,12 @@ class StepResult:
     multiple: float | None = None
     """Offered load over the measured capacity (overload scenario)."""
     profile: dict[str, float] = field(default_factory=dict)
+    cpu_us_per_event: dict[str, float] = field(default_factory=dict)
+    """CPU µs per event sent in the step (warm-up, window and drain), per process."""
+    cpu_cores: dict[str, float] = field(default_factory=dict)
+    """Mean cores each process used over the step."""
+    phase: str = "sweep"
+    """sweep, refine (bisecting near the limit), or check (a fixed rate after the sweep)."""
 
 
 @dataclass
@@ -126,6 +147,8 @@ class SystemUnderTest:
     log: LatencyLog
     sent: int = 0
     profile_port: int | None = None
+    pid: int | None = None
+    """The worker's process, for its CPU time and profile."""
 
 
 class Bench:
@@ -145,6 +168,7 @@ class Bench:
         self.bootstrap = settings.bootstrap_servers or broker.bootstrap_servers
         # One producer sends every system's load: the same client for every figure.
         self.producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 1})
+        self.broker_pid = broker.process.pid() if broker is not None else None
         started = time.time()
         try:
             self.echo("preparing features (SQLite Feast) and the sample model")
@@ -152,6 +176,8 @@ class Bench:
             self.repo, self.model_path = prepare_sample_assets(self.state_dir, world)
             self.records = _event_pool(world, self.run_id)
             results: dict = {"settings": settings.model_dump(mode="json"), "steps": []}
+            self.systems: dict[str, dict] = {}
+            results["systems"] = self.systems
             if settings.scenario == "overload":
                 results["overload"] = {}
                 for runtime in settings.runtimes:
@@ -184,10 +210,55 @@ class Bench:
     def _run_worker(self, name: str, runtime: str) -> list[StepResult]:
         system, worker = self._start_pipeline_process(name, worker=True, runtime=runtime)
         try:
-            return self._sweep(system, self.settings.offered_rates())
+            idle = self._idle_cores(system)
+            steps = self._sweep(system, self.settings.offered_rates())
+            summary = self.systems[name]
+            summary["idle_cores"] = idle
+            if summary["sustainable_per_s"] >= CPU_CHECK_PER_S:
+                # The issue's fixed point for comparing runtimes' CPU per event.
+                check = self._step(system, CPU_CHECK_PER_S)
+                check.phase = "check"
+                steps.append(check)
+            if self.settings.profile and flame.available():
+                summary["flame"] = self._profile(system, summary["sustainable_per_s"])
+            return steps
         finally:
             stop_worker(worker)
             system.reader.stop()
+
+    def _idle_cores(self, system: SystemUnderTest) -> float | None:
+        """Cores the worker uses with no input, after its warm-up settled."""
+        meter = CpuMeter({"worker": system.pid})
+        time.sleep(IDLE_SETTLE_S)
+        before = meter.snapshot()
+        time.sleep(IDLE_MEASURE_S)
+        cores = CpuMeter.cores(before, meter.snapshot())
+        self.echo(
+            f"  {system.name}: idle worker uses {cores.get('worker', float('nan')):.3f} cores"
+        )
+        return cores.get("worker")
+
+    def _profile(self, system: SystemUnderTest, rate: float) -> dict | None:
+        """A step at `rate` with py-spy sampling the worker: flame graph and stage split."""
+        if rate <= 0 or system.pid is None:
+            return None
+        raw = self.state_dir / f"{system.name}-{self.run_id}.stacks"
+        seconds = self.settings.warmup_s + self.settings.measure_s
+        recording = threading.Thread(target=flame.record, args=(system.pid, seconds, raw))
+        recording.start()
+        step = self._step(system, rate)
+        recording.join()
+        if not raw.exists():
+            self.echo(f"  {system.name}: py-spy could not sample the worker")
+            return None
+        stacks = flame.read_stacks(raw)
+        return {
+            "rate_per_s": rate,
+            "stacks": str(raw),
+            "by_stage": flame.by_stage(stacks),
+            "top_functions": flame.top_functions(stacks),
+            "cpu_us_per_event": step.cpu_us_per_event,
+        }
 
     def _run_overload(self, runtime: str) -> tuple[float, list[StepResult]]:
         name = f"overload-{runtime}"
@@ -318,6 +389,7 @@ class Bench:
             process = start_worker(config_file, log_file)
         else:
             process = start_process(["-m", "streams.bench.naive", str(config_file)], log_file)
+        system.pid = process.pid
         # Warm up until answers flow: group join, partition assignment, first reads.
         producer = self.producer
         send_at_rate(producer, system.input_topic, self.records, 100, 2)
@@ -329,24 +401,63 @@ class Bench:
         return system, process
 
     def _sweep(self, system: SystemUnderTest, rates: list[float]) -> list[StepResult]:
-        """Step through `rates`, stopping after the first step that overloads the system."""
-        steps = []
+        """Step through `rates` until a step overloads the system, then bisect between
+        the highest passing and the lowest failing rate, running each new rate
+        `repeats` times (it passes only if every run does). Records the sustainable rate
+        and that bracket in `self.systems`."""
+        settings = self.settings
+        steps: list[StepResult] = []
+        passed = 0.0
         for rate in rates:
-            step = self._step(system, rate)
+            step = self._run_step(system, rate, "sweep")
             steps.append(step)
-            verdict = "ok" if step.within_budget else "over budget"
-            self.echo(
-                f"\r  {system.name:>8} {rate:>8.0f}/s  p50 {step.latency.p50_ms:7.1f} ms  "
-                f"p99 {step.latency.p99_ms:7.1f} ms  answered {step.answered}/{step.measured}"
-                f"  {verdict}"
-            )
+            if step.within_budget:
+                passed = max(passed, rate)
             if step.overloaded:
                 break
+        # The bracket to refine: the highest pass and the lowest failure above it (a noisy
+        # failure below a pass does not move the sustainable rate down).
+        failed = min((s.offered_per_s for s in steps if not s.within_budget
+                      and s.offered_per_s > passed), default=None)  # fmt: skip
+        for _ in range(settings.refine_steps if failed is not None else 0):
+            rate = round((passed + failed) / 2) if passed else failed / settings.sweep_factor
+            runs = []
+            for _ in range(settings.repeats):
+                runs.append(self._run_step(system, rate, "refine"))
+                if not runs[-1].within_budget:
+                    break
+            steps += runs
+            if all(run.within_budget for run in runs):
+                passed = rate
+            else:
+                failed = rate
+        self.systems[system.name] = {
+            "sustainable_per_s": passed,
+            "first_failing_per_s": failed,
+            "capped": failed is None,
+        }
         return steps
+
+    def _run_step(self, system: SystemUnderTest, rate: float, phase: str) -> StepResult:
+        step = self._step(system, rate)
+        step.phase = phase
+        verdict = "ok" if step.within_budget else "over budget"
+        cpu = step.cpu_us_per_event.get("worker")
+        self.echo(
+            f"\r  {system.name:>8} {rate:>8.0f}/s  p50 {step.latency.p50_ms:7.1f} ms  "
+            f"p99 {step.latency.p99_ms:7.1f} ms  answered {step.answered}/{step.measured}"
+            + (f"  worker {cpu:5.0f} us/event" if cpu is not None else "")
+            + f"  {verdict} ({phase})"
+        )
+        return step
 
     def _step(self, system: SystemUnderTest, rate: float) -> StepResult:
         settings = self.settings
         before = scrape(system.profile_port) if system.profile_port else None
+        meter = CpuMeter(
+            {"worker": system.pid, "broker": self.broker_pid, "load generator": os.getpid()}
+        )
+        cpu_before = meter.snapshot()
         report = send_at_rate(
             self.producer,
             system.input_topic,
@@ -359,6 +470,7 @@ class Bench:
         )
         system.sent += report.sent
         system.reader.wait_for(system.sent, settings.drain_timeout_s)
+        cpu_after = meter.snapshot()
         profile = stage_profile(before, scrape(system.profile_port)) if before is not None else {}
 
         stamps_ms = ((report.started_s + np.arange(report.sent) / rate) * 1000).astype(np.int64)
@@ -392,6 +504,8 @@ class Bench:
             or answered_in_full < measured / 2,
             by_status=by_status,
             profile=profile,
+            cpu_us_per_event=CpuMeter.per_event_us(cpu_before, cpu_after, report.sent),
+            cpu_cores=CpuMeter.cores(cpu_before, cpu_after),
         )
 
     def _topic(self, name: str, partitions: int, exact: bool = False) -> str:

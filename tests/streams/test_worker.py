@@ -247,7 +247,8 @@ def test_restart_resumes_from_committed_offsets_without_repeats(
 def test_a_clean_stop_in_the_middle_of_a_backlog_repeats_nothing(
     deploy, kafka, sample_assets, runtime
 ):
-    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
+    # A low in-flight bound: the first worker must stop with most of the backlog unread.
+    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS, max_in_flight=300)
     spec = deployment.spec
     sent = produce_events(kafka.bootstrap_servers, spec.input_topic, sample_assets.world,
                           3000, seed=12, prefix="backlog")  # fmt: skip

@@ -1,0 +1,116 @@
+"""Faust's fetched records handed to the pipelines' agents a fetch at a time.
+
+faust-streaming delivers every record on its own: its fetch loop
+(`Consumer._drain_messages`) awaits each delivery with `Service.wait_first`, which
+wraps four asyncio tasks around every record, and its conductor then builds an
+`Event` and queues it for the agent's stream. That costs 60-85 µs of CPU per event on
+these machines before any pipeline work (DESIGN.md), and the pipeline batches anyway.
+
+`BulkConsumer` keeps Faust's consumer (group membership, assignment, the fetch thread,
+flow control on rebalance, committing what was acked) and replaces only that loop:
+each fetch (`getmany`) is split by topic, and the records of a pipeline's input topic
+go to its agent as one chunk through a small bounded queue (`FeedApp.take`). The
+agent acks each record through `Consumer.ack` after its outcome is written, which is
+what Faust commits from; a record is tracked as unacked from the moment the agent takes
+it, so Faust's wait for unacked records on rebalance and stop covers it. Topics without a
+feed (none in a headrace worker) still go through Faust's own path.
+
+Backpressure: an agent at its in-flight bound stops taking chunks, its queue fills,
+the fetch loop waits on it, and aiokafka stops fetching once its own buffer is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import faust
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import Message
+
+# Chunks waiting for an agent: one being fetched while one is handed over.
+FEED_CHUNKS = 2
+
+
+class BulkConsumer(faust_aiokafka.Consumer):
+    """Faust's aiokafka consumer whose fetch loop hands over whole fetches."""
+
+    async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - Faust's loop
+        feeds: dict[str, asyncio.Queue] = self.app.feeds
+        consumer_stopped = self._stopped.is_set
+        fetcher_stopped = fetcher._stopped.is_set
+        acks_enabled_for = self.app.topics.acks_enabled_for
+        read_offsets = self._read_offset
+        try:
+            while not (consumer_stopped() or fetcher_stopped()):
+                chunks: dict[str, list[Message]] = {}
+                others: list[Message] = []
+                async for tp, message in self.getmany(timeout=1.0):
+                    offset, read = message.offset, read_offsets[tp]
+                    if read is not None and offset < read:
+                        continue  # read before a seek back: Faust's own loop drops these too
+                    if read and offset - read > 1 and acks_enabled_for(message.topic):
+                        # Offsets skipped (compaction, transaction markers): commit past them.
+                        await self._add_gap(tp, read + 1, offset)
+                    read_offsets[tp] = offset
+                    if message.topic in feeds:
+                        chunks.setdefault(message.topic, []).append(message)
+                    else:
+                        others.append(message)
+                for topic, messages in chunks.items():
+                    await feeds[topic].put(messages)
+                for message in others:
+                    await self.callback(message)
+                await self._commit_if_due()
+                await asyncio.sleep(0)
+        except self.consumer_stopped_errors:
+            if self.transport.app.should_stop:
+                return
+            raise
+        except asyncio.CancelledError:
+            if self.transport.app.should_stop:
+                return
+            raise
+
+    def track(self, messages: list[Message]) -> None:
+        """Count `messages` as taken and unacked: Faust waits for their acks before a
+        rebalance or a stop completes."""
+        self._unacked_messages.update(messages)
+
+    async def _commit_if_due(self) -> None:
+        every = self._commit_every
+        if every is not None and self._n_acked >= every:
+            self._n_acked = 0
+            await self.commit()
+
+
+class BulkTransport(faust_aiokafka.Transport):
+    Consumer = BulkConsumer
+
+
+class FeedApp(faust.App):
+    """A Faust app whose agents can take their topic's records a fetch at a time."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.feeds: dict[str, asyncio.Queue] = {}
+
+    def add_feed(self, topic: faust.types.TopicT) -> None:
+        """Deliver `topic`'s records to `take` instead of a stream; subscribes to it."""
+        (name,) = topic.topics
+        if name not in self.feeds:
+            self.feeds[name] = asyncio.Queue(maxsize=FEED_CHUNKS)
+            # Faust subscribes to the topics its conductor holds (a stream adds its
+            # topic when first iterated; a fed agent never iterates its stream).
+            self.topics.add(topic)
+
+    async def take(self, topic: str) -> list[Message]:
+        """The next chunk of `topic`'s records, tracked as unacked from here on. Chunks
+        still queued at a stop were never taken: nothing commits them, and the next
+        owner of their partitions reads them again."""
+        messages = await self.feeds[topic].get()
+        self.consumer.track(messages)
+        return messages
+
+    def _new_transport(self) -> BulkTransport:
+        return BulkTransport(self.conf.broker_consumer, self)
