@@ -27,6 +27,8 @@ class _Member:
     def __init__(self, session: ModelSession) -> None:
         self.session = session
         self.outstanding = 0
+        self.runs = 0
+        self.rows = 0
         self.seconds_per_row: float | None = None
         self.overhead_s: float | None = None
 
@@ -37,6 +39,8 @@ class _Member:
         return (self.outstanding + 1) * one
 
     def observe(self, rows: int, seconds: float) -> None:
+        self.runs += 1
+        self.rows += rows
         # A crude split into fixed and per-row cost, good enough to compare devices.
         per_row = seconds / max(rows, 1)
         if self.seconds_per_row is None:
@@ -84,6 +88,12 @@ class SessionPool:
         """Per batch size, the slowest session's warm-up run: a first estimate of run times."""
         sizes = self._members[0].session.warmup_seconds
         return {n: max(m.session.warmup_seconds[n] for m in self._members) for n in sizes}
+
+    @property
+    def usage(self) -> list[dict]:
+        """Per session: its device, the batches and the rows it ran (where routing sent work)."""
+        return [{"device": m.session.device, "runs": m.runs, "rows": m.rows}
+                for m in self._members]  # fmt: skip
 
     @property
     def size(self) -> int:

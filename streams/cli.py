@@ -327,7 +327,23 @@ def demo(rate: float, duration: float, partitions: int, runtime: str, state_dir:
 @cli.command()
 @click.option("--rates", help="Comma-separated offered rates (events/s); default: a sweep.")
 @click.option("--sweep-start", default=100.0, show_default=True)
-@click.option("--sweep-max", default=12_800.0, show_default=True)
+@click.option("--sweep-max", default=25_600.0, show_default=True)
+@click.option(
+    "--refine-steps",
+    default=3,
+    show_default=True,
+    help="Bisections between each system's highest passing and lowest failing rate.",
+)
+@click.option(
+    "--repeats", default=2, show_default=True, help="Runs of each refining rate (all must pass)."
+)
+@click.option("--no-profile", is_flag=True, help="No py-spy flame graphs of the workers.")
+@click.option(
+    "--idle-s",
+    default=5.0,
+    show_default=True,
+    help="Seconds over which an idle worker's CPU is measured (0: not measured).",
+)
 @click.option("--warmup", default=2.0, show_default=True, help="Seconds per step, not counted.")
 @click.option("--measure", default=5.0, show_default=True, help="Measured seconds per step.")
 @click.option(
@@ -342,10 +358,11 @@ def demo(rate: float, duration: float, partitions: int, runtime: str, state_dir:
 @click.option("--no-baselines", is_flag=True, help="Only headrace (no naive, Kafka, ONNX).")
 @click.option(
     "--scenario",
-    type=click.Choice(["sweep", "overload"]),
+    type=click.Choice(["sweep", "overload", "devices"]),
     default="sweep",
     show_default=True,
-    help="sweep: headrace and baselines over rising rates; overload: 0.5x to 4x capacity.",
+    help="sweep: headrace and baselines over rising rates; overload: 0.5x to 4x capacity; "
+    "devices: ONNX Runtime on CPU and CUDA (no Kafka; reports CUDA unavailable on CPU-only).",
 )
 @click.option(
     "--runtime",
@@ -369,6 +386,10 @@ def bench(
     rates: str | None,
     sweep_start: float,
     sweep_max: float,
+    refine_steps: int,
+    repeats: int,
+    no_profile: bool,
+    idle_s: float,
     warmup: float,
     measure: float,
     budget_ms: float | None,
@@ -388,10 +409,17 @@ def bench(
     from streams.bench.harness import Bench, BenchSettings
     from streams.bench.report import write_reports
 
+    if scenario == "devices":
+        _bench_devices(out / f"devices-{time.strftime('%Y%m%d-%H%M%S')}")
+        return
     settings = BenchSettings(
         rates=tuple(float(r) for r in rates.split(",")) if rates else (),
         sweep_start_per_s=sweep_start,
         sweep_max_per_s=sweep_max,
+        refine_steps=refine_steps,
+        repeats=repeats,
+        profile=not no_profile,
+        idle_s=idle_s,
         warmup_s=warmup,
         measure_s=measure,
         budget_ms=budget_ms or (250.0 if scenario == "overload" else 50.0),
@@ -409,6 +437,22 @@ def bench(
     paths = write_reports(results, out / time.strftime("%Y%m%d-%H%M%S"))
     click.echo(paths["markdown"].read_text())
     click.echo(f"reports: {', '.join(str(p) for p in paths.values())}")
+
+
+def _bench_devices(out: Path) -> None:
+    import json
+
+    from features.sample_data import SampleWorld
+    from streams.bench import devices
+    from streams.demo import prepare_sample_assets
+
+    _repo, model = prepare_sample_assets((DEFAULT_STATE / "bench").resolve(), SampleWorld())
+    result = devices.run(model)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "devices.json").write_text(json.dumps(result, indent=2))
+    (out / "devices.md").write_text(devices.markdown(result))
+    click.echo(devices.markdown(result))
+    click.echo(f"reports: {out / 'devices.md'}, {out / 'devices.json'}")
 
 
 @cli.command("bench-features")

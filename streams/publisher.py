@@ -1,9 +1,9 @@
 """Publishing outcome records with confluent-kafka and awaiting their delivery.
 
 librdkafka delivers in its own threads and reports through callbacks served by
-`poll()`; one thread owned by the publisher polls, and each callback resolves an
-asyncio future on the loop that produced the record. Idempotence keeps records of
-one partition in order across retries.
+`poll()`; one thread owned by the publisher polls. A batch's callbacks count down in
+that thread and the last one resolves the batch's future on the loop that produced
+it. Idempotence keeps records of one partition in order across retries.
 """
 
 from __future__ import annotations
@@ -51,11 +51,10 @@ class Publisher:
 
     async def publish(self, records: Sequence[OutRecord]) -> None:
         """Produce `records` in order, wait for every delivery; raise PublishError on a failure."""
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future] = []
+        if not records:
+            return
+        delivery = _BatchDelivery(asyncio.get_running_loop(), len(records))
         for record in records:
-            future = loop.create_future()
-            futures.append(future)
             while True:
                 try:
                     self._producer.produce(
@@ -63,7 +62,7 @@ class Publisher:
                         record.value,
                         record.key,
                         headers=record.headers,
-                        on_delivery=_resolver(loop, future),
+                        on_delivery=delivery.on_delivery,
                     )
                     break
                 except BufferError:
@@ -71,8 +70,7 @@ class Publisher:
                     await asyncio.sleep(0.005)
                 except KafkaException as exc:
                     raise PublishError(f"cannot produce to {record.topic!r}: {exc}") from exc
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
+        failures = await delivery.done
         if failures:
             raise PublishError(
                 f"{len(failures)} of {len(records)} records were not delivered: {failures[0]}"
@@ -91,20 +89,24 @@ class Publisher:
             self._producer.poll(0.05)
 
 
-def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
-    def on_delivery(error, _message) -> None:
-        if error is None:
-            loop.call_soon_threadsafe(_settle, future, None)
-        else:
-            loop.call_soon_threadsafe(_settle, future, PublishError(str(error)))
+class _BatchDelivery:
+    """Counts the delivery reports of one batch in the poll thread and wakes the loop
+    once, when the last one arrives: one hand-off per batch instead of one per record."""
 
-    return on_delivery
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int) -> None:
+        self._loop = loop
+        self._pending = count
+        self._failures: list[str] = []
+        self.done: asyncio.Future[list[str]] = loop.create_future()
 
+    def on_delivery(self, error, _message) -> None:
+        # Runs in the poll thread only (librdkafka serves callbacks from `poll`).
+        if error is not None:
+            self._failures.append(str(error))
+        self._pending -= 1
+        if self._pending == 0:
+            self._loop.call_soon_threadsafe(self._settle)
 
-def _settle(future: asyncio.Future, error: Exception | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+    def _settle(self) -> None:
+        if not self.done.done():  # not cancelled meanwhile
+            self.done.set_result(self._failures)

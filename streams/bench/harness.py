@@ -68,9 +68,8 @@ SWEEP_WORKER_BUDGET_MS = 100.0
 HEAVY_MODEL = {"width": 1024, "layers": 128}
 # Workers also run one step at this rate, to compare runtimes' CPU per event at one load.
 CPU_CHECK_PER_S = 1_000.0
-# An idle worker's CPU: measured over IDLE_MEASURE_S after IDLE_SETTLE_S without input.
+# An idle worker's CPU is measured after this long without input.
 IDLE_SETTLE_S = 3.0
-IDLE_MEASURE_S = 5.0
 
 
 class BenchSettings(BaseModel):
@@ -87,6 +86,8 @@ class BenchSettings(BaseModel):
     """Runs of each refining rate; it passes only if every run does."""
     profile: bool = True
     """Sample each worker with py-spy at its sustainable rate (flame graph, stage split)."""
+    idle_s: float = Field(5.0, ge=0)
+    """Seconds over which an idle worker's CPU is measured (0: not measured)."""
     warmup_s: float = Field(2.0, ge=0)
     measure_s: float = Field(5.0, gt=0)
     drain_timeout_s: float = Field(15.0, gt=0)
@@ -228,10 +229,12 @@ class Bench:
 
     def _idle_cores(self, system: SystemUnderTest) -> float | None:
         """Cores the worker uses with no input, after its warm-up settled."""
+        if not self.settings.idle_s:
+            return None
         meter = CpuMeter({"worker": system.pid})
         time.sleep(IDLE_SETTLE_S)
         before = meter.snapshot()
-        time.sleep(IDLE_MEASURE_S)
+        time.sleep(self.settings.idle_s)
         cores = CpuMeter.cores(before, meter.snapshot())
         self.echo(
             f"  {system.name}: idle worker uses {cores.get('worker', float('nan')):.3f} cores"

@@ -10,7 +10,8 @@ from importlib import metadata
 from pathlib import Path
 
 from infra.kafka import KAFKA_VERSION
-from streams.bench.harness import StepResult
+from streams.bench import flame
+from streams.bench.harness import OVERLOAD_MULTIPLES, StepResult
 
 PACKAGES = ("headrace", "faust-streaming", "aiokafka", "confluent-kafka", "fastavro",
             "onnxruntime-gpu", "feast", "numpy")  # fmt: skip
@@ -22,28 +23,144 @@ def sustainable(steps: list[StepResult], system: str) -> float:
     return max(passing, default=0.0)
 
 
-def verdicts(steps: list[StepResult], budget_ms: float) -> dict:
-    """The issue's targets: throughput against naive, light-load latency against raw Kafka."""
-    headrace = sustainable(steps, "headrace")
-    naive = sustainable(steps, "naive")
-    bare = sustainable(steps, "bare")
+# The issue's targets (performance issue): bounds on ratios and CPU figures.
+FAUST_OVER_BARE_MIN = 0.7
+OVER_KAFKA_MIN = 0.5
+CPU_AT_SUSTAINABLE_MAX_US = 100.0
+CPU_AT_LIGHT_LOAD_MAX_US = 500.0
+LIGHT_P50_OVER_KAFKA_MAX_MS = 2.0
+LIGHT_P99_OVER_KAFKA_MAX_MS = 5.0
+FAUST_CPU_OVER_BARE_MAX = 1.3
+IDLE_MAX_CORES = 0.02
+RUNTIMES = (("headrace", "faust"), ("bare", "bare"))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def verdicts(steps: list[StepResult], budget_ms: float, systems: dict | None = None) -> dict:
+    """Every target of the performance issue with its figure: sustainable rates and their
+    ratios, CPU per event (at the sustainable rate, at light load, at 1,000/s, idle) and
+    light-load latency over the raw Kafka round trip."""
+    systems = systems or {}
+    rates = {name: sustainable(steps, name) for name in ("headrace", "bare", "naive", "kafka")}
     out: dict = {
         "budget_ms": budget_ms,
-        "sustainable_per_s": {"headrace": headrace, "bare": bare, "naive": naive},
-        "throughput_ratio_vs_naive": headrace / naive if naive else None,
-        "bare_throughput_ratio_vs_naive": bare / naive if naive else None,
+        "sustainable_per_s": rates,
+        "throughput_ratio_vs_naive": _ratio(rates["headrace"], rates["naive"]),
+        "bare_throughput_ratio_vs_naive": _ratio(rates["bare"], rates["naive"]),
+        "faust_over_bare": _ratio(rates["headrace"], rates["bare"]),
+        "faust_over_kafka": _ratio(rates["headrace"], rates["kafka"]),
+        "bare_over_kafka": _ratio(rates["bare"], rates["kafka"]),
+        "runtimes": {},
     }
-    ours = {s.offered_per_s: s for s in steps if s.system == "headrace"}
-    kafka = {s.offered_per_s: s for s in steps if s.system == "kafka"}
-    common = sorted(set(ours) & set(kafka))
-    if headrace and common:
-        light = min(common, key=lambda rate: abs(rate - 0.1 * headrace))
-        out["light_load"] = {
-            "offered_per_s": light,
-            "p50_over_kafka_ms": ours[light].latency.p50_ms - kafka[light].latency.p50_ms,
-            "p99_over_kafka_ms": ours[light].latency.p99_ms - kafka[light].latency.p99_ms,
-        }
+    kafka = {s.offered_per_s: s for s in steps if s.system == "kafka" and s.phase == "sweep"}
+    for system, runtime in RUNTIMES:
+        ours = [s for s in steps if s.system == system]
+        if not ours:
+            continue
+        figures: dict = {"idle_cores": systems.get(system, {}).get("idle_cores")}
+        at_limit = [s for s in ours if s.within_budget and s.offered_per_s == rates[system]]
+        if at_limit:
+            figures["cpu_us_at_sustainable"] = at_limit[-1].cpu_us_per_event.get("worker")
+        checks = [s for s in ours if s.phase == "check"]
+        if checks:
+            figures["cpu_us_at_1000"] = checks[-1].cpu_us_per_event.get("worker")
+        sweep = {s.offered_per_s: s for s in ours if s.phase == "sweep"}
+        common = sorted(set(sweep) & set(kafka))
+        if rates[system] and common:
+            light = min(common, key=lambda rate: abs(rate - 0.1 * rates[system]))
+            figures["light_load"] = {
+                "offered_per_s": light,
+                "cpu_us": sweep[light].cpu_us_per_event.get("worker"),
+                "p50_over_kafka_ms": sweep[light].latency.p50_ms - kafka[light].latency.p50_ms,
+                "p99_over_kafka_ms": sweep[light].latency.p99_ms - kafka[light].latency.p99_ms,
+            }
+        out["runtimes"][runtime] = figures
+    faust, bare = out["runtimes"].get("faust", {}), out["runtimes"].get("bare", {})
+    out["faust_cpu_over_bare_at_1000"] = _ratio(
+        faust.get("cpu_us_at_1000"), bare.get("cpu_us_at_1000")
+    )
     return out
+
+
+def _target_lines(v: dict, systems: dict) -> list[str]:
+    """One line per target: the figure, the bound, met or not."""
+
+    def met(ok: bool | None) -> str:
+        return "n/a" if ok is None else ("met" if ok else "NOT met")
+
+    def rate(name: str) -> str:
+        figure = f"{v['sustainable_per_s'][name]:,.0f}/s"
+        info = systems.get(name, {})
+        if info.get("capped"):
+            return f">= {figure} (passed every rate offered)"
+        if info.get("first_failing_per_s"):
+            return f"{figure} (failed at {info['first_failing_per_s']:,.0f}/s)"
+        return figure
+
+    def fmt(x: float | None, unit: str = "") -> str:
+        return "-" if x is None else f"{x:,.2f}{unit}"
+
+    lines = [
+        f"- Sustainable rates: faust runtime {rate('headrace')}, bare {rate('bare')}, "
+        f"raw Kafka {rate('kafka')}, naive per-event loop {rate('naive')}."
+    ]
+    ratio = v["faust_over_bare"]
+    lines.append(
+        f"- Faust / bare sustainable: {fmt(ratio)} (target >= {FAUST_OVER_BARE_MIN}): "
+        f"{met(None if ratio is None else ratio >= FAUST_OVER_BARE_MIN)}."
+    )
+    for key, label in (("faust_over_kafka", "Faust"), ("bare_over_kafka", "bare")):
+        ratio = v[key]
+        lines.append(
+            f"- {label} / raw Kafka sustainable: {fmt(ratio)} (target >= "
+            f"{OVER_KAFKA_MIN}): "
+            f"{met(None if ratio is None else ratio >= OVER_KAFKA_MIN)}."
+        )
+    for runtime, figures in v["runtimes"].items():
+        cpu = figures.get("cpu_us_at_sustainable")
+        bound = CPU_AT_SUSTAINABLE_MAX_US if runtime == "bare" else None
+        lines.append(
+            f"- {runtime}: worker CPU per event at its sustainable rate "
+            f"{fmt(cpu, ' µs')}"
+            + (
+                f" (target < {bound:.0f} µs): {met(None if cpu is None else cpu < bound)}."
+                if bound
+                else "."
+            )
+        )
+        light = figures.get("light_load")
+        if light:
+            cpu = light["cpu_us"]
+            lines.append(
+                f"- {runtime}: light load ({light['offered_per_s']:,.0f}/s) worker CPU per event "
+                f"{fmt(cpu, ' µs')} (target < {CPU_AT_LIGHT_LOAD_MAX_US:.0f} µs): "
+                f"{met(None if cpu is None else cpu < CPU_AT_LIGHT_LOAD_MAX_US)}; p50 "
+                f"{light['p50_over_kafka_ms']:+.1f} ms and p99 {light['p99_over_kafka_ms']:+.1f} "
+                f"ms over the raw Kafka round trip (targets: within "
+                f"{LIGHT_P50_OVER_KAFKA_MAX_MS:.0f} and {LIGHT_P99_OVER_KAFKA_MAX_MS:.0f} ms): "
+                f"{met(light['p50_over_kafka_ms'] <= LIGHT_P50_OVER_KAFKA_MAX_MS)}, "
+                f"{met(light['p99_over_kafka_ms'] <= LIGHT_P99_OVER_KAFKA_MAX_MS)}."
+            )
+        lines.append(
+            f"- {runtime}: worker CPU per event at 1,000/s "
+            f"{fmt(figures.get('cpu_us_at_1000'), ' µs')}."
+        )
+        idle = figures.get("idle_cores")
+        lines.append(
+            f"- {runtime}: idle worker {fmt(idle, ' cores')} (target < "
+            f"{IDLE_MAX_CORES} cores): "
+            f"{met(None if idle is None else idle < IDLE_MAX_CORES)}."
+        )
+    ratio = v["faust_cpu_over_bare_at_1000"]
+    lines.append(
+        f"- Faust / bare worker CPU per event at 1,000/s: {fmt(ratio)} (target <= "
+        f"{FAUST_CPU_OVER_BARE_MAX}): "
+        f"{met(None if ratio is None else ratio <= FAUST_CPU_OVER_BARE_MAX)}."
+    )
+    return lines
 
 
 def machine() -> dict:
@@ -67,11 +184,14 @@ def write_reports(results: dict, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     steps: list[StepResult] = results["steps"]
     budget = results["settings"]["budget_ms"]
+    systems = results.get("systems", {})
+    flames = _write_flames(systems, out_dir)
     document = {
         "machine": machine(),
         "settings": results["settings"],
         "elapsed_s": results.get("elapsed_s"),
-        "verdicts": verdicts(steps, budget),
+        "verdicts": verdicts(steps, budget, systems),
+        "systems": systems,
         "steps": [asdict(s) for s in steps],
         "onnx": results.get("onnx", []),
         "overload": results.get("overload"),
@@ -83,7 +203,22 @@ def write_reports(results: dict, out_dir: Path) -> dict[str, Path]:
     }
     paths["json"].write_text(json.dumps(document, indent=2, default=str))
     paths["markdown"].write_text(_markdown(document))
-    _plot(steps, budget, paths["plot"])
+    if document["overload"]:
+        _plot_overload(steps, budget, paths["plot"])
+    else:
+        _plot(steps, budget, paths["plot"])
+    return {**paths, **flames}
+
+
+def _write_flames(systems: dict, out_dir: Path) -> dict[str, Path]:
+    """A flame graph per sampled worker, beside the reports."""
+    paths = {}
+    for name, info in systems.items():
+        sampled = info.get("flame")
+        if sampled and Path(sampled["stacks"]).exists():
+            stacks = flame.read_stacks(Path(sampled["stacks"]))
+            title = f"{name} worker at {sampled['rate_per_s']:,.0f} events/s"
+            paths[f"flame-{name}"] = flame.write_svg(stacks, title, out_dir / f"flame-{name}.svg")
     return paths
 
 
@@ -102,38 +237,39 @@ def _markdown(doc: dict) -> str:
     ]
     if doc["overload"]:
         return "\n".join(lines + _overload_markdown(doc)) + "\n"
-    lines += [
-        "## Verdicts",
-        "",
-        f"- Sustainable throughput at p99 <= {v['budget_ms']:.0f} ms: headrace "
-        f"{v['sustainable_per_s']['headrace']:.0f}/s, naive per-event loop "
-        f"{v['sustainable_per_s']['naive']:.0f}/s"
-        + (
-            f" (ratio {v['throughput_ratio_vs_naive']:.1f}x; target >= 10x)."
-            if v["throughput_ratio_vs_naive"]
-            else " (no ratio: naive did not run or met the budget at no rate)."
-        ),
-        f"- Without Faust (the same stages fed by a bare confluent-kafka consumer): "
-        f"{v['sustainable_per_s']['bare']:.0f}/s.",
-    ]
-    if "light_load" in v:
-        light = v["light_load"]
+    lines += ["## Verdicts", "", *_target_lines(v, doc["systems"])]
+    if v["throughput_ratio_vs_naive"]:
         lines.append(
-            f"- Light load ({light['offered_per_s']:.0f}/s): p50 "
-            f"{light['p50_over_kafka_ms']:+.1f} ms and p99 {light['p99_over_kafka_ms']:+.1f} ms "
-            "over the raw Kafka round trip (targets: within 2 ms and 5 ms)."
+            f"- headrace (Faust) over the naive per-event loop: "
+            f"{v['throughput_ratio_vs_naive']:.1f}x."
         )
-    lines += ["", "## Steps", "",
-              "| system | offered/s | achieved/s | answered | unanswered | p50 ms | p90 ms "
-              "| p99 ms | p99.9 ms | max ms | statuses | within budget |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += _systems_markdown(doc["systems"])
+    lines += [
+        "",
+        "## Steps",
+        "",
+        "CPU columns: µs of CPU per event sent in the step (warm-up, window and drain), "
+        "per process; the load generator includes the reading consumers.",
+        "",
+        "| system | phase | offered/s | achieved/s | answered | unanswered | p50 ms "
+        "| p90 ms | p99 ms | p99.9 ms | max ms | statuses | within budget "
+        "| worker µs/ev | broker µs/ev | loadgen µs/ev |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in doc["steps"]:
         lat = s["latency"]
+        cpu = s.get("cpu_us_per_event", {})
+
+        def us(name: str, cpu=cpu) -> str:
+            return f"{cpu[name]:.0f}" if name in cpu else "-"
+
         lines.append(
-            f"| {s['system']} | {s['offered_per_s']:.0f} | {s['achieved_per_s']:.0f} | "
-            f"{s['answered']} | {s['unanswered']} | {lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | "
-            f"{lat['p99_ms']:.1f} | {lat['p999_ms']:.1f} | {lat['max_ms']:.1f} | "
-            f"{s['statuses']} | {'yes' if s['within_budget'] else 'no'} |"
+            f"| {s['system']} | {s.get('phase', 'sweep')} | {s['offered_per_s']:.0f} | "
+            f"{s['achieved_per_s']:.0f} | {s['answered']} | {s['unanswered']} | "
+            f"{lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | {lat['p99_ms']:.1f} | "
+            f"{lat['p999_ms']:.1f} | {lat['max_ms']:.1f} | {s['statuses']} | "
+            f"{'yes' if s['within_budget'] else 'no'} | {us('worker')} | {us('broker')} | "
+            f"{us('load generator')} |"
         )
     profiles = [s for s in doc["steps"] if s["profile"]]
     if profiles:
@@ -162,6 +298,33 @@ def _markdown(doc: dict) -> str:
                 f"{row['per_event_us']:.1f} | {row['events_per_s']:,.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _systems_markdown(systems: dict) -> list[str]:
+    """Per sampled worker: where its Python time went, by stage and by function."""
+    lines = []
+    for name, info in systems.items():
+        sampled = info.get("flame")
+        if not sampled:
+            continue
+        cpu = sampled.get("cpu_us_per_event", {}).get("worker")
+        lines += [
+            "",
+            f"## Where the {name} worker's time goes "
+            f"({sampled['rate_per_s']:,.0f}/s"
+            + (f", {cpu:.0f} µs CPU per event)" if cpu is not None else ")"),
+            "",
+            f"py-spy samples of the thread holding the GIL (flame graph: "
+            f"`flame-{name}.svg`); native work without the GIL and idle time are not in "
+            "these shares.",
+            "",
+            "| stage | share |",
+            "|---|---|",
+        ]
+        lines += [f"| {stage} | {share:.1%} |" for stage, share in sampled["by_stage"].items()]
+        lines += ["", "| function (self time) | share |", "|---|---|"]
+        lines += [f"| `{frame}` | {share:.1%} |" for frame, share in sampled["top_functions"]]
+    return lines
 
 
 def _overload_markdown(doc: dict) -> list[str]:
@@ -223,6 +386,55 @@ def _plot(steps: list[StepResult], budget_ms: float, path: Path) -> None:
     axes.set_title("headrace and baselines: latency against offered load")
     axes.legend(fontsize=8)
     axes.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _plot_overload(steps: list[StepResult], budget_ms: float, path: Path) -> None:
+    """Per runtime and load multiple: answers by status (bars) and the OK answers' p99."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours = [s for s in steps if s.multiple is not None]
+    systems = sorted({s.system for s in ours})
+    figure, axes = plt.subplots(
+        1, max(len(systems), 1), figsize=(6 * max(len(systems), 1), 4.5), squeeze=False
+    )
+    colours = {"OK": "tab:green", "DEGRADED": "tab:orange", "SHED": "tab:red"}
+    for axis, system in zip(axes[0], systems, strict=False):
+        rows = sorted((s for s in ours if s.system == system), key=lambda s: s.multiple)
+        labels = [f"{s.multiple:g}x\n{s.offered_per_s:.0f}/s" for s in rows]
+        bottom = [0] * len(rows)
+        for status, colour in colours.items():
+            counts = [s.statuses.get(status, 0) for s in rows]
+            axis.bar(labels, counts, bottom=bottom, color=colour, label=status)
+            bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+        lost = [s.unanswered for s in rows]
+        if any(lost):
+            axis.bar(labels, lost, bottom=bottom, color="black", label="lost")
+        axis.set_ylabel("answers in the measured window")
+        axis.set_title(system)
+        p99 = axis.twinx()
+        p99.plot(
+            labels,
+            [s.by_status["OK"].p99_ms if "OK" in s.by_status else float("nan") for s in rows],
+            "-o",
+            color="tab:blue",
+            label="OK p99",
+        )
+        p99.axhline(budget_ms, color="black", linewidth=0.8, linestyle=":", label="budget")
+        p99.set_ylabel("OK p99 (ms)")
+        p99.set_ylim(0, budget_ms * 1.5)
+        handles = axis.get_legend_handles_labels()
+        more = p99.get_legend_handles_labels()
+        axis.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8, loc="upper left")
+    figure.suptitle(
+        f"Overload: answers by status and OK p99 per load multiple "
+        f"({', '.join(f'{m:g}x' for m in OVERLOAD_MULTIPLES)} of capacity)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

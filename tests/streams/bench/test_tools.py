@@ -1,0 +1,51 @@
+"""The benchmark's measuring tools: CPU meter, py-spy stage split, flame graph, devices."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+from streams.bench import devices, flame
+from streams.bench.cpu import CpuMeter, cpu_seconds
+
+
+def test_the_cpu_meter_sees_this_process_burn_cpu():
+    meter = CpuMeter({"me": os.getpid(), "gone": None})
+    before = meter.snapshot()
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    after = meter.snapshot()
+    assert set(before.seconds) == {"me"}
+    assert CpuMeter.per_event_us(before, after, 1000)["me"] >= 150  # 0.2 s over 1,000 events
+    assert 0 < CpuMeter.cores(before, after)["me"] <= os.cpu_count()
+    assert cpu_seconds(2**22 + 12345) is None  # no such process
+
+
+def test_samples_go_to_the_stage_of_their_innermost_known_frame():
+    run = "Session.run (onnxruntime/capi/onnxruntime_inference_collection.py:395)"
+    infer = ("main (cli.py:1)", "Pipeline._run (streams/pipeline.py:250)", run)
+    decode = ("main (cli.py:1)", "AvroDecoder.decode (schemas/codec.py:50)")
+    idle = ("main (cli.py:1)", "BaseEventLoop._run_once (asyncio/base_events.py:1884)")
+    stacks = Counter({infer: 6, decode: 3, idle: 1})
+    assert flame.by_stage(stacks) == {"infer": 0.6, "decode": 0.3, "event loop and hand-offs": 0.1}
+    assert flame.top_functions(stacks, 1) == [(run, 0.6)]
+
+
+def test_the_flame_graph_has_a_box_per_frame_with_its_share(tmp_path):
+    stacks = Counter({("a (x.py:1)", "b (x.py:2)"): 3, ("a (x.py:1)", "c (x.py:3)"): 1})
+    svg = flame.write_svg(stacks, "test", tmp_path / "f.svg").read_text()
+    assert svg.startswith("<svg")
+    assert "a (x.py:1) (4 samples, 100.0%)" in svg
+    assert "b (x.py:2) (3 samples, 75.0%)" in svg
+
+
+def test_the_devices_check_reports_cpu_figures_and_whether_cuda_is_usable(sample_assets):
+    result = devices.run(sample_assets.model, seconds_per_size=0.01)
+    assert set(result["latency"]) == set(devices.SIZES)
+    assert all(row["cpu"]["runs"] >= devices.MIN_RUNS for row in result["latency"].values())
+    if not result["cuda_usable"]:
+        assert "cuda" not in result["latency"][1]
+        assert result["routing"] is None
+        assert "CUDA is not usable here" in devices.markdown(result)
