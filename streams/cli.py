@@ -357,6 +357,13 @@ def demo(rate: float, duration: float, partitions: int, runtime: str, state_dir:
 @click.option("--max-wait-ms", default=5.0, show_default=True)
 @click.option("--no-baselines", is_flag=True, help="Only headrace (no naive, Kafka, ONNX).")
 @click.option(
+    "--system",
+    "systems",
+    multiple=True,
+    type=click.Choice(["kafka", "headrace", "bare", "naive"]),
+    help="Systems the sweep runs (repeatable; default all: headrace is the Faust runtime).",
+)
+@click.option(
     "--scenario",
     type=click.Choice(["sweep", "overload", "devices"]),
     default="sweep",
@@ -397,6 +404,7 @@ def bench(
     max_batch_size: int,
     max_wait_ms: float,
     no_baselines: bool,
+    systems: tuple[str, ...],
     scenario: str,
     runtimes: tuple[str, ...],
     overload_model: str,
@@ -427,6 +435,7 @@ def bench(
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
         baselines=not no_baselines,
+        systems=systems or ("kafka", "headrace", "bare", "naive"),
         scenario=scenario,
         runtimes=runtimes or ("bare", "faust"),
         overload_model=overload_model,

@@ -30,6 +30,7 @@ from infra.ports import free_port
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
+from streams.bench.cpu import CpuMeter
 from streams.collector import OutcomeCollector
 from streams.config import HeadraceConfig, parse_config
 from streams.loadgen import encoded, malformed_records, sample_events, send_at_rate
@@ -206,6 +207,8 @@ def run_demo(
         for value in malformed_records(encoder, next(sample_events(world, 0))).values():
             producer.produce(spec.input_topic, value, b"malformed")
         started = time.time()
+        meter = CpuMeter({"worker": worker.pid})
+        cpu_before = meter.snapshot()
         report = send_at_rate(
             producer,
             spec.input_topic,
@@ -217,9 +220,14 @@ def run_demo(
         expected = len(warmup) + report.sent + 5
         outcomes = collector.wait_for(expected, 60)
         finished = time.time()
+        cpu_after = meter.snapshot()
         click.echo("")
         counted = [p for p in outcomes.predictions if p["event_id"].startswith("demo-")]
         _summary(counted, outcomes, expected, finished - started)
+        cpu_us = CpuMeter.per_event_us(cpu_before, cpu_after, report.sent).get("worker")
+        if cpu_us is not None:
+            cores = CpuMeter.cores(cpu_before, cpu_after)["worker"]
+            click.echo(f"worker CPU: {cpu_us:.0f} µs per event ({cores:.2f} cores at {rate:.0f}/s)")
         if report.max_lag_ms > 50:
             click.echo(f"(the load generator fell up to {report.max_lag_ms:.0f} ms behind)")
     finally:

@@ -176,9 +176,11 @@ class Pipeline:
         measure = self.metrics
         started = time.perf_counter()
         now_s = self._clock()
+        metrics.observe_many(
+            measure.admission_lag, [max(0.0, now_s - r.timestamp_ms / 1000) for r in records]
+        )
         prepared = Prepared(records, [None] * len(records))
         for index, record in enumerate(records):
-            measure.admission_lag.observe(max(0.0, now_s - record.timestamp_ms / 1000))
             try:
                 event = self._decoder.decode(record.value)
                 validate_transaction(event)
@@ -319,11 +321,12 @@ class Pipeline:
         measure = self.metrics
         now_s = self._clock()
         groups: dict[tuple[str, str | None, str | None], int] = {}
+        latencies: dict[str, list[float]] = {}
         for item in prepared.admitted:
             route = item.route
             key = (route.status, route.level, item.reason)
             groups[key] = groups.get(key, 0) + 1
-            measure.end_to_end(route.status).observe(
+            latencies.setdefault(route.status, []).append(
                 max(0.0, now_s - item.record.timestamp_ms / 1000)
             )
             if route is Route.FULL and self.admission.ladder.answer_cache:
@@ -332,7 +335,11 @@ class Pipeline:
             measure.answered(status, level, reason, count)
         for record, reason in prepared.dead:
             measure.dead_letter(reason)
-            measure.end_to_end("DEAD_LETTER").observe(max(0.0, now_s - record.timestamp_ms / 1000))
+            latencies.setdefault("DEAD_LETTER", []).append(
+                max(0.0, now_s - record.timestamp_ms / 1000)
+            )
+        for status, seconds in latencies.items():
+            metrics.observe_many(measure.end_to_end(status), seconds)
 
     def _dead_letter(self, record: InputRecord, error: DecodeError) -> OutRecord:
         log.warning(

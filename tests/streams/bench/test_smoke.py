@@ -18,6 +18,9 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
         warmup_s=0.5,
         measure_s=1.0,
         drain_timeout_s=60.0,
+        refine_steps=1,
+        repeats=1,
+        idle_s=0.5,
         bootstrap_servers=kafka.bootstrap_servers,
         # The session's assets folder: the trained model is reused.
         state_dir=sample_assets.repo.parent,
@@ -42,5 +45,5 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
     assert all(s["profile"]["events"] > 0 for s in headrace_steps)
     assert report["onnx"][0]["batch_size"] == 1
     verdicts = report["verdicts"]
-    assert set(verdicts["sustainable_per_s"]) == {"headrace", "bare", "naive"}
+    assert set(verdicts["sustainable_per_s"]) == {"headrace", "bare", "naive", "kafka"}
     assert report["machine"]["packages"]["headrace"]
