@@ -14,6 +14,7 @@ Memory: about 120 bytes of bookkeeping plus 8 bytes per feature for each entry.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -23,13 +24,21 @@ import numpy as np
 
 class FeatureCache:
     def __init__(
-        self, max_entries: int, max_staleness_s: float, clock: Callable[[], float] = time.time
+        self,
+        max_entries: int,
+        max_staleness_s: float,
+        clock: Callable[[], float] = time.time,
+        spread: float = 0.0,
     ) -> None:
+        """`spread`: share of `max_staleness_s` by which a row may count as read earlier
+        than it was (random per row), so rows read together do not expire together."""
         self.max_entries = max_entries
+        self.spread = spread
         self.max_staleness_s = max_staleness_s
         self._clock = clock
         self._rows: OrderedDict[Hashable, tuple[np.ndarray, float, float]] = OrderedDict()
         self.evictions = 0
+        self._jitter = random.Random(0)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -50,7 +59,10 @@ class FeatureCache:
     def put(self, key: Hashable, values: np.ndarray, event_ts_s: float) -> None:
         if self.max_entries <= 0:
             return
-        self._rows[key] = (values, event_ts_s, self._clock())
+        read_at = self._clock()
+        if self.spread:
+            read_at -= self._jitter.random() * self.spread * self.max_staleness_s
+        self._rows[key] = (values, event_ts_s, read_at)
         self._rows.move_to_end(key)
         while len(self._rows) > self.max_entries:
             self._rows.popitem(last=False)

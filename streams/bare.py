@@ -51,6 +51,8 @@ class BareConsumer:
                 "auto.commit.interval.ms": 1000,
                 # Bound librdkafka's own prefetch buffer too (KiB per partition).
                 "queued.max.messages.kbytes": 8192,
+                "fetch.wait.max.ms": config.broker.fetch_max_wait_ms,
+                "fetch.min.bytes": config.broker.fetch_min_bytes,
             }
         )
         self._max_chunk = max(p.config.max_batch_size for p in pipelines)

@@ -26,6 +26,8 @@ HEADROOM = 1.25
 # answers, so a backlog of them leaves in few, large batches.
 MAX_EXPIRED_BATCH = 512
 _EWMA = 0.2
+# The shortest wait worth a timer: the resolution of libuv's (uvloop's) timers.
+TIMER_RESOLUTION_S = 0.001
 
 
 class ServiceTimes:
@@ -179,7 +181,10 @@ class MicroBatcher(Generic[T]):
     async def next_batch(self) -> list[T]:
         while True:
             wait_s = self.ready()
-            if wait_s == 0.0:
+            # Due within the event loop's timer resolution: release now. libuv (uvloop)
+            # timers count whole milliseconds, so a shorter wait fires at once and the
+            # loop would spin until the due instant (a tenth of a core at 100 batches/s).
+            if wait_s < TIMER_RESOLUTION_S:
                 return self.take()
             self._arrived.clear()
             timeout = None if wait_s == float("inf") else wait_s

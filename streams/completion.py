@@ -9,6 +9,7 @@ its path (measured: a high quantile of recent times per batch size). Clocks are 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
 
@@ -29,24 +30,31 @@ class RecentTimes:
     def __init__(self, window_s: float = 2.0, quantile: float = 0.99, max_samples: int = 128):
         self.window_s = window_s
         self.quantile = quantile
-        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
-        self._bound: float | None = None  # until the samples change: asked once per batch
+        self._max_samples = max_samples
+        self._samples: deque[tuple[float, float]] = deque()
+        # The same durations kept sorted, so that a bound is one index: it is asked for
+        # several times per batch, and sorting per ask cost more than the batch's work.
+        self._sorted: list[float] = []
 
     def observe(self, seconds: float, now_s: float) -> None:
+        if len(self._samples) == self._max_samples:
+            self._forget()
         self._samples.append((now_s, seconds))
-        self._bound = None
+        insort(self._sorted, seconds)
 
     def bound(self, now_s: float) -> float:
         """The quantile of recent durations; 0 when nothing was measured in the window."""
         horizon = now_s - self.window_s
         while self._samples and self._samples[0][0] < horizon:
-            self._samples.popleft()
-            self._bound = None
-        if self._bound is None:
-            durations = sorted(seconds for _, seconds in self._samples)
-            rank = math.ceil(self.quantile * len(durations)) - 1
-            self._bound = durations[min(len(durations) - 1, rank)] if durations else 0.0
-        return self._bound
+            self._forget()
+        if not self._sorted:
+            return 0.0
+        rank = math.ceil(self.quantile * len(self._sorted)) - 1
+        return self._sorted[min(len(self._sorted) - 1, rank)]
+
+    def _forget(self) -> None:
+        _, seconds = self._samples.popleft()
+        del self._sorted[bisect_left(self._sorted, seconds)]
 
 
 class SizedTimes:

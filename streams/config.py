@@ -37,6 +37,11 @@ def _resolve(path: Path, info: ValidationInfo) -> Path:
 class BrokerConfig(_Frozen):
     bootstrap_servers: str = Field("127.0.0.1:9092", min_length=1)
     """Comma-separated host:port list of the Kafka brokers."""
+    fetch_max_wait_ms: int = Field(5, ge=0, le=1000)
+    """Longest a fetch waits at the broker for `fetch_min_bytes`: more records per fetch
+    (less CPU per event, in the worker and the broker) for at most this much latency."""
+    fetch_min_bytes: int = Field(16_384, ge=1, le=50_000_000)
+    """Bytes a fetch waits for (up to `fetch_max_wait_ms`) before the broker answers."""
 
 
 class RegistryConfig(_Frozen):

@@ -32,8 +32,28 @@ from faust.types import Message
 FEED_CHUNKS = 2
 
 
+class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
+    """Faust's aiokafka consumer thread with the fetch wait set deliberately.
+
+    Faust hard-codes `fetch_max_wait_ms=1500` with aiokafka's `fetch_min_bytes=1`: the
+    broker answers each fetch as soon as one record is there, and aiokafka's fetch round
+    trip is Python. Waiting a few milliseconds for a few kilobytes (`FeedApp.fetch`,
+    from the broker config) put more records in each fetch: at 1,000 events/s the
+    worker used 0.48 cores instead of 0.69 with 5 ms and 16 KiB.
+    """
+
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        # Read by aiokafka when the consumer starts (its fetcher's settings).
+        consumer._fetch_max_wait_ms, consumer._fetch_min_bytes = self.app.fetch
+        return consumer
+
+
 class BulkConsumer(faust_aiokafka.Consumer):
     """Faust's aiokafka consumer whose fetch loop hands over whole fetches."""
+
+    def _new_consumer_thread(self) -> _FetchThread:
+        return _FetchThread(self, loop=self.loop, beacon=self.beacon)
 
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - Faust's loop
         feeds: dict[str, asyncio.Queue] = self.app.feeds
@@ -91,9 +111,11 @@ class BulkTransport(faust_aiokafka.Transport):
 class FeedApp(faust.App):
     """A Faust app whose agents can take their topic's records a fetch at a time."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fetch: tuple[int, int] = (5, 16_384), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.feeds: dict[str, asyncio.Queue] = {}
+        self.fetch = fetch
+        """(fetch_max_wait_ms, fetch_min_bytes) of the consumer."""
 
     def add_feed(self, topic: faust.types.TopicT) -> None:
         """Deliver `topic`'s records to `take` instead of a stream; subscribes to it."""

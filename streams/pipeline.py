@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,9 +41,9 @@ from streams.publisher import OutRecord, Publisher
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class InputRecord:
-    """A consumed Kafka record, as the pipeline needs it."""
+class InputRecord(NamedTuple):
+    """A consumed Kafka record, as the pipeline needs it. A tuple: one is built per
+    consumed record, and a frozen dataclass costs several times as much to build."""
 
     topic: str
     partition: int
@@ -289,12 +289,10 @@ class Pipeline:
 
     def _encode(self, prepared: Prepared) -> list[OutRecord]:
         timings = {
-            route: {
-                **prepared.timings,
-                "inference_us": int(prepared.run_seconds.get(route, 0) * 1e6),
-            }
-            for route in Route
+            route: {**prepared.timings, "inference_us": int(seconds * 1e6)}
+            for route, seconds in prepared.run_seconds.items()
         }
+        no_run = {**prepared.timings, "inference_us": 0}
         missing_of = prepared.rows.missing_views if prepared.rows is not None else []
         out = []
         for item in prepared.admitted:
@@ -309,7 +307,8 @@ class Pipeline:
             if route is Route.FULL:
                 for view in missing:
                     self.metrics.missing_features(view).inc()
-            answer = prediction(item.event, item.record, meta, score, missing, timings[route])
+            timing = timings.get(route, no_run)
+            answer = prediction(item.event, item.record, meta, score, missing, timing)
             if route is not Route.FULL:
                 answer.update(status=route.status, reason=item.reason, degraded_by=route.level)
             value = self._encoder.encode(answer)

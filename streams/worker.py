@@ -147,6 +147,7 @@ def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoRet
 def build_app(config: HeadraceConfig, pipelines: list[Pipeline]) -> faust.App:
     app = FeedApp(
         config.app_id,
+        fetch=(config.broker.fetch_max_wait_ms, config.broker.fetch_min_bytes),
         broker=f"kafka://{config.broker.bootstrap_servers}",
         store="memory://",
         datadir=tempfile.mkdtemp(prefix="headrace-faust-"),

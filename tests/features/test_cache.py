@@ -65,3 +65,15 @@ def test_zero_entries_turns_the_cache_off():
     cache = FeatureCache(0, max_staleness_s=60, clock=Clock())
     cache.put("a", row(1), 0)
     assert cache.get("a") is None
+
+
+def test_a_spread_expires_rows_read_together_at_different_times():
+    clock = Clock()
+    cache = FeatureCache(100, max_staleness_s=10.0, clock=clock, spread=0.5)
+    for key in range(50):
+        cache.put(key, np.zeros(1), 0.0)
+    clock.now += 7.5  # within the bound for rows counted as read up to 2.5 s early
+    alive = sum(cache.get(key) is not None for key in range(50))
+    assert 0 < alive < 50
+    clock.now += 2.6  # past the bound: none is served, whatever its spread
+    assert all(cache.get(key) is None for key in range(50))
