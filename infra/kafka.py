@@ -97,7 +97,9 @@ class KafkaBroker:
         # A cluster id is 16 random bytes in unpadded URL-safe base64, as `random-uuid` prints.
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         done = subprocess.run(
-            [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(properties)],
+            # `--cluster-id=` form: an id may start with "-", which argparse takes for a flag.
+            [*jvm, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
+             "-c", str(properties)],  # fmt: skip
             capture_output=True,
             text=True,
             check=False,
