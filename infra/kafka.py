@@ -98,8 +98,14 @@ class KafkaBroker:
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         done = subprocess.run(
             # `--cluster-id=` form: an id may start with "-", which argparse takes for a flag.
-            [*jvm, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
-             "-c", str(properties)],  # fmt: skip
+            [
+                *jvm,
+                "kafka.tools.StorageTool",
+                "format",
+                f"--cluster-id={cluster_id}",
+                "-c",
+                str(properties),
+            ],
             capture_output=True,
             text=True,
             check=False,
