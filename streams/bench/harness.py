@@ -66,6 +66,8 @@ SWEEP_WORKER_BUDGET_MS = 100.0
 # The overload scenario's default model: about 3 ms of compute per event on one core, so
 # that the model, not Kafka or Python, bounds capacity (the case shedding is for).
 HEAVY_MODEL = {"width": 1024, "layers": 128}
+# Longest wait, before a step, for the answers of everything sent before it.
+SETTLE_TIMEOUT_S = 120.0
 # Load on a throwaway topic before the first system is measured (JIT, page cache).
 BROKER_WARMUP_PER_S = 2_000.0
 BROKER_WARMUP_S = 5.0
@@ -482,6 +484,10 @@ class Bench:
 
     def _step(self, system: SystemUnderTest, rate: float) -> StepResult:
         settings = self.settings
+        # Start from a caught-up system: a backlog left by an overloaded step would
+        # count against this one.
+        if system.reader.wait_for(system.sent, SETTLE_TIMEOUT_S) < system.sent:
+            self.echo(f"\r  {system.name}: still behind after {SETTLE_TIMEOUT_S:.0f} s")
         before = scrape(system.profile_port) if system.profile_port else None
         meter = CpuMeter(
             {"worker": system.pid, "broker": self.broker_pid, "load generator": os.getpid()}
