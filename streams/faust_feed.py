@@ -133,11 +133,11 @@ class BulkTransport(faust_aiokafka.Transport):
 class FeedApp(faust.App):
     """A Faust app whose agents can take their topic's records a fetch at a time."""
 
-    def __init__(self, *args: Any, fetch: tuple[int, int] = (5, 16_384), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fetch: tuple[int, int], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.feeds: dict[str, asyncio.Queue] = {}
         self.fetch = fetch
-        """(fetch_max_wait_ms, fetch_min_bytes) of the consumer."""
+        """(fetch_max_wait_ms, fetch_min_bytes) of a busy fetch (the broker config's)."""
 
     def add_feed(self, topic: faust.types.TopicT) -> None:
         """Deliver `topic`'s records to `take` instead of a stream; subscribes to it."""
