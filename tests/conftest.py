@@ -22,14 +22,14 @@ from infra.registry import SchemaRegistryServer
 from infra.topics import delete_topics
 from models.train import fallback_path
 from streams.config import HeadraceConfig
-from streams.demo import (
+from streams.worker import create_topics
+from tools.deploy import (
     prepare_sample_assets,
     sample_config,
     start_worker,
     stop_worker,
     write_config,
 )
-from streams.worker import create_topics
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from features.sample_data import SampleWorld
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from streams.loadgen import sample_events
+from tools.loadgen import sample_events
 
 # For tests of the data path's correctness: a backlog produced before the worker starts
 # must be answered in full, not shed as late.

@@ -48,7 +48,7 @@ def test_redis_commands_start_and_stop_a_server(tmp_path):
 
     from infra.ports import free_port
     from infra.redis import RedisServer
-    from streams.cli import cli
+    from tools.cli import cli
 
     port = free_port()
     runner = CliRunner()
@@ -65,7 +65,7 @@ def test_redis_commands_start_and_stop_a_server(tmp_path):
 def test_a_bad_config_is_one_clear_line_and_status_2(tmp_path, capsys, monkeypatch):
     import sys
 
-    from streams.cli import main
+    from tools.cli import main
 
     config = tmp_path / "bad.yaml"
     config.write_text("pipelines: []\n")

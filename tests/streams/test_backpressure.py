@@ -16,9 +16,9 @@ from infra.ports import free_port
 from models.synthetic import write_heavy_model
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from streams.loadgen import encoded, sample_events
 from tests.helpers import PATIENT_BUDGET_MS
 from tests.streams.test_worker import collector_for
+from tools.loadgen import encoded, sample_events
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from streams.config import load_config, parse_config
-from streams.demo import sample_config
 from streams.errors import ConfigError
+from tools.deploy import sample_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

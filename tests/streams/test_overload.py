@@ -25,14 +25,14 @@ from models.synthetic import write_heavy_model
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from streams.audit import audit, format_report
-from streams.bench.harness import HEAVY_MODEL
-from streams.demo import sample_config, write_config
-from streams.loadgen import sample_events, send_at_rate
 from streams.worker import create_topics
 from tests.conftest import Deployment
 from tests.helpers import produce_events
 from tests.streams.test_worker import collector_for
+from tools.audit import audit, format_report
+from tools.bench.harness import HEAVY_MODEL
+from tools.deploy import sample_config, write_config
+from tools.loadgen import sample_events, send_at_rate
 
 pytestmark = pytest.mark.integration
 

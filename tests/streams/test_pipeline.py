@@ -16,8 +16,8 @@ from schemas.catalogue import LocalCatalogue, load_schema
 from schemas.codec import AvroDecoder, AvroEncoder
 from streams.admission import Estimates
 from streams.config import PipelineConfig
-from streams.demo import sample_config
 from streams.pipeline import InputRecord, Pipeline
+from tools.deploy import sample_config
 
 NOW_S = 1_800_000_000.0
 STORE = ("user_stats__txn_count_7d",)

@@ -13,8 +13,8 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from schemas.catalogue import load_schema
-from streams.loadgen import sample_events
 from tests.helpers import PATIENT_BUDGET_MS, wait_until
+from tools.loadgen import sample_events
 
 pytestmark = pytest.mark.integration
 

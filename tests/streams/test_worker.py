@@ -9,9 +9,9 @@ from features.store import open_store
 from models.session import ModelSession
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
-from streams.collector import OutcomeCollector
-from streams.loadgen import malformed_records
 from tests.helpers import PATIENT_BUDGET_MS, committed_lag, produce_events, produce_raw, wait_until
+from tools.collector import OutcomeCollector
+from tools.loadgen import malformed_records
 
 pytestmark = pytest.mark.integration
 
@@ -33,9 +33,9 @@ def served(kafka, sample_assets, tmp_path_factory):
     """One worker run over N valid events and one event per way of being malformed."""
     # `deploy` is function-scoped; build the module's deployment by hand with the same parts.
     from infra.topics import delete_topics
-    from streams.demo import sample_config, write_config
     from streams.worker import create_topics
     from tests.conftest import Deployment
+    from tools.deploy import sample_config, write_config
 
     tmp = tmp_path_factory.mktemp("served")
     config = write_config(

@@ -11,10 +11,10 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from models.session import ModelMetadata
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from streams.audit import audit, format_report
-from streams.cli import cli
 from streams.pipeline import InputRecord, prediction
 from tests.helpers import produce_raw
+from tools.audit import audit, format_report
+from tools.cli import cli
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from importlib import metadata
 from pathlib import Path
 
 from infra.kafka import KAFKA_VERSION
-from streams.bench import flame
-from streams.bench.harness import OVERLOAD_MULTIPLES, StepResult
+from tools.bench import flame
+from tools.bench.harness import OVERLOAD_MULTIPLES, StepResult
 
 PACKAGES = ("headrace", "faust-streaming", "aiokafka", "confluent-kafka", "fastavro",
             "onnxruntime-gpu", "feast", "numpy")  # fmt: skip

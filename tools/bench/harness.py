@@ -38,12 +38,12 @@ from models.synthetic import write_heavy_model
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from streams.bench import flame
-from streams.bench.cpu import CpuMeter
-from streams.bench.latency import LatencyLog, LatencySummary, prediction_reader, raw_reader
-from streams.bench.profile import scrape, stage_profile
-from streams.collector import TopicReader
-from streams.demo import (
+from tools.bench import flame
+from tools.bench.cpu import CpuMeter
+from tools.bench.latency import LatencyLog, LatencySummary, prediction_reader, raw_reader
+from tools.bench.profile import scrape, stage_profile
+from tools.collector import TopicReader
+from tools.deploy import (
     prepare_sample_assets,
     sample_config,
     start_process,
@@ -51,7 +51,7 @@ from streams.demo import (
     stop_worker,
     write_config,
 )
-from streams.loadgen import encoded, sample_events, send_at_rate
+from tools.loadgen import encoded, sample_events, send_at_rate
 
 EVENT_POOL = 20_000
 OVERLOAD_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
@@ -415,7 +415,7 @@ class Bench:
         if worker:
             process = start_worker(config_file, log_file)
         else:
-            process = start_process(["-m", "streams.bench.naive", str(config_file)], log_file)
+            process = start_process(["-m", "tools.bench.naive", str(config_file)], log_file)
         system.pid = process.pid
         # Warm up until answers flow: group join, partition assignment, first reads.
         producer = self.producer

@@ -24,7 +24,7 @@ from features.sample_data import SampleWorld, merchant_id, user_id
 from features.store import open_store, prepare_sample_store
 from infra.ports import free_port
 from infra.redis import RedisServer
-from streams.bench.report import machine
+from tools.bench.report import machine
 
 ENTITY_FIELDS = {"user_id": "user_id", "merchant_id": "merchant_id"}
 BATCH_SIZES = (1, 32, 128, 512)

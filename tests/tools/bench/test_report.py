@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from streams.bench.harness import BenchSettings, StepResult
-from streams.bench.latency import LatencySummary
-from streams.bench.report import write_reports
+from tools.bench.harness import BenchSettings, StepResult
+from tools.bench.latency import LatencySummary
+from tools.bench.report import write_reports
 
 
 def test_the_overload_report_has_a_row_per_load_with_counts_per_status(tmp_path):

@@ -219,7 +219,7 @@ def produce(
     from features.sample_data import SampleWorld
     from schemas.catalogue import open_catalogue
     from schemas.codec import AvroEncoder
-    from streams.loadgen import encoded, sample_events, send_at_rate
+    from tools.loadgen import encoded, sample_events, send_at_rate
 
     config = _config(config_path)
     spec = _pipeline(config, pipeline_name)
@@ -299,8 +299,8 @@ def consume(
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to read the topics.")
 def audit(config_path: Path, as_json: bool, timeout: float) -> None:
     """Check that every committed input has exactly one outcome (exit status 1 if not)."""
-    from streams.audit import audit as run_audit
-    from streams.audit import format_report
+    from tools.audit import audit as run_audit
+    from tools.audit import format_report
 
     audits = run_audit(_config(config_path), timeout)
     if as_json:
@@ -319,7 +319,7 @@ def audit(config_path: Path, as_json: bool, timeout: float) -> None:
 @click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "demo")
 def demo(rate: float, duration: float, partitions: int, runtime: str, state_dir: Path) -> None:
     """End to end on the embedded defaults: broker, features, model, worker, load, summary."""
-    from streams.demo import run_demo
+    from tools.demo import run_demo
 
     run_demo(state_dir, rate, duration, partitions, runtime)
 
@@ -414,8 +414,8 @@ def bench(
     """Open-loop benchmark of headrace against raw Kafka, raw ONNX and a naive loop."""
     import time
 
-    from streams.bench.harness import Bench, BenchSettings
-    from streams.bench.report import write_reports
+    from tools.bench.harness import Bench, BenchSettings
+    from tools.bench.report import write_reports
 
     if scenario == "devices":
         _bench_devices(out / f"devices-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -452,8 +452,8 @@ def _bench_devices(out: Path) -> None:
     import json
 
     from features.sample_data import SampleWorld
-    from streams.bench import devices
-    from streams.demo import prepare_sample_assets
+    from tools.bench import devices
+    from tools.deploy import prepare_sample_assets
 
     _repo, model = prepare_sample_assets((DEFAULT_STATE / "bench").resolve(), SampleWorld())
     result = devices.run(model)
@@ -473,7 +473,7 @@ def bench_features(seconds: float, out: Path) -> None:
     """Feature-stage cost: get_online_features, the direct read and the cache, SQLite and Redis."""
     import time
 
-    from streams.bench.features import run, write_report
+    from tools.bench.features import run, write_report
 
     results = run((DEFAULT_STATE / "bench-features").resolve(), seconds)
     path = write_report(results, out / f"features-{time.strftime('%Y%m%d-%H%M%S')}")

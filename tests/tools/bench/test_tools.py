@@ -6,8 +6,8 @@ import os
 import time
 from collections import Counter
 
-from streams.bench import devices, flame
-from streams.bench.cpu import CpuMeter, cpu_seconds
+from tools.bench import devices, flame
+from tools.bench.cpu import CpuMeter, cpu_seconds
 
 
 def test_the_cpu_meter_sees_this_process_burn_cpu():

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from streams.bench.harness import Bench, BenchSettings
-from streams.bench.report import write_reports
+from tools.bench.harness import Bench, BenchSettings
+from tools.bench.report import write_reports
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ that names one (a sample in ONNX Runtime's `run` called from the pipeline counts
 infer, not as the pipeline), and `write_svg` draws the stacks as a flame graph.
 Only the thread holding the GIL is sampled (`--gil`): that is the Python work, which
 is what the shares split. Native work that releases the GIL (librdkafka's threads,
-ONNX Runtime's run) and idle time show in the CPU meter (`streams/bench/cpu.py`), not here.
+ONNX Runtime's run) and idle time show in the CPU meter (`tools/bench/cpu.py`), not here.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from hdrh.histogram import HdrHistogram
 
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder
-from streams.collector import TopicReader
+from tools.collector import TopicReader
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 _MAX_US = 600_000_000  # ten minutes: anything later counts as ten minutes

@@ -4,7 +4,7 @@ For each event: poll one record, decode it, read its features with one Feast cal
 run ONNX at batch size 1, produce the prediction. Same libraries, model, features and
 wire format as headrace; no batching, no pipelining, auto-commit. Runs until SIGTERM:
 
-    python -m streams.bench.naive CONFIG
+    python -m tools.bench.naive CONFIG
 """
 
 from __future__ import annotations

@@ -1,0 +1,121 @@
+"""Deploying headrace locally for the demo, the benchmarks and the tests: the sample
+pipeline's config, its assets (Feast store, models), and worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from features.sample_data import SampleWorld
+from features.store import prepare_sample_store
+from models.train import fallback_path
+from streams.config import HeadraceConfig, parse_config
+
+
+def sample_config(
+    bootstrap_servers: str,
+    repo_path: Path,
+    model_path: Path,
+    *,
+    suffix: str = "",
+    registry_url: str | None = None,
+    metrics_port: int = 0,
+    max_batch_size: int = 64,
+    max_wait_ms: float = 2.0,
+    latency_budget_ms: float = 100.0,
+    runtime: str = "faust",
+    max_in_flight: int = 2_000,
+    fallback_model: Path | None = None,
+    default_score: float | None = None,
+    priority: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The sample fraud pipeline's config as a plain dict (what a YAML file would hold).
+
+    Without `fallback_model` and `default_score` the ladder has only the answer cache
+    above shedding."""
+    config: dict[str, Any] = {
+        "app_id": f"headrace{suffix}",
+        "runtime": runtime,
+        "broker": {"bootstrap_servers": bootstrap_servers},
+        "features": {"repo_path": str(repo_path)},
+        "metrics": {"port": metrics_port},
+        "pipelines": [
+            {
+                "name": "fraud",
+                "input_topic": f"transactions{suffix}",
+                "output_topic": f"fraud-scores{suffix}",
+                "dead_letter_topic": f"transactions-dlq{suffix}",
+                "feature_service": "fraud_scoring",
+                "entity_fields": {"user_id": "user_id", "merchant_id": "merchant_id"},
+                "model": {"path": str(model_path)},
+                "latency_budget_ms": latency_budget_ms,
+                "max_in_flight": max_in_flight,
+                "max_batch_size": max_batch_size,
+                "max_wait_ms": max_wait_ms,
+                "priority": priority or {},
+                "degradation": {
+                    "fallback_model": {"path": str(fallback_model)} if fallback_model else None,
+                    "default_score": default_score,
+                },
+            }
+        ],
+    }
+    if registry_url:
+        config["registry"] = {"url": registry_url}
+    return config
+
+
+def prepare_sample_assets(state_dir: Path, world: SampleWorld) -> tuple[Path, Path]:
+    """Feast repo with materialized features and the trained models (the full one,
+    returned, and its fallback beside it) under `state_dir`."""
+    from models.train import train
+
+    repo = state_dir / "features"
+    prepare_sample_store(repo, world)
+    model = state_dir / "models" / "fraud-mlp.onnx"
+    if not model.exists() or not fallback_path(model).exists():
+        train(model, world)
+    return repo, model
+
+
+def start_worker(config_file: Path, log_file: Path) -> subprocess.Popen:
+    return start_process(
+        ["-m", "tools.cli", "worker", "-c", str(config_file), "-l", "warn"], log_file
+    )
+
+
+def start_process(arguments: list[str], log_file: Path) -> subprocess.Popen:
+    """A Python child process logging to `log_file`, without Feast's metrics variables."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
+    with open(log_file, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, *arguments],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=environment,
+        )
+
+
+def stop_worker(worker: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """SIGTERM (a clean stop that commits), SIGKILL if it does not end in time."""
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    return worker.returncode
+
+
+def write_config(config: dict[str, Any], path: Path) -> HeadraceConfig:
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return parse_config(config, str(path), path.parent)
