@@ -20,6 +20,7 @@ import numpy as np
 
 from features import metrics
 from features.cache import FeatureCache
+from features.config import FeatureCacheConfig
 from features.errors import FeatureStoreError
 from features.online_read import OnlineViewReader
 
@@ -42,14 +43,7 @@ class FeatureRows:
 # make a burst of store reads every `max_staleness_s` (a p99 spike seen in the
 # benchmark 30 s after start): each row counts as read up to a fifth earlier.
 STALENESS_SPREAD = 0.2
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    max_entries: int = 100_000
-    """Rows kept per view; 0 turns the cache off."""
-    max_staleness_s: float = 30.0
-    """How long a cached row may be served before it is read from the store again."""
+_NO_SETTINGS = FeatureCacheConfig()
 
 
 class _View:
@@ -85,7 +79,7 @@ class FeatureLookup:
         store: Any,
         feature_service: str,
         entity_fields: Mapping[str, str],
-        cache: CacheSettings = CacheSettings(),
+        cache: FeatureCacheConfig = _NO_SETTINGS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         try:

@@ -5,12 +5,12 @@ it first from its queue and its measured service time.
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
-import numpy as np
-
+from models.config import ModelConfig
 from models.errors import ModelError
-from models.session import ModelMetadata, ModelSession
+from models.session import Feeds, ModelSession
+from models.signature import Signature
 
 _EWMA = 0.2
 
@@ -51,32 +51,25 @@ class _Member:
 
 
 class SessionPool:
-    """`await predict(matrix)` on the session that should finish first. Call `close()`.
+    """`await run_timed(feeds)` on the session that should finish first. Call `close()`.
 
     Sessions are created and warmed up (at every size in `batch_sizes`) before the
     constructor returns; it blocks for that long.
     """
 
-    def __init__(
-        self,
-        path: Path,
-        cpu_sessions: int = 1,
-        cuda_sessions: int = 0,
-        intra_op_threads: int = 1,
-        batch_sizes: tuple[int, ...] = (1,),
-    ) -> None:
-        if cpu_sessions + cuda_sessions < 1:
+    def __init__(self, config: ModelConfig, batch_sizes: tuple[int, ...] = (1,)) -> None:
+        if config.cpu_sessions + config.cuda_sessions < 1:
             raise ModelError("a session pool needs at least one session")
         self._members: list[_Member] = []
         try:
-            for device, count in (("cuda", cuda_sessions), ("cpu", cpu_sessions)):
+            for device, count in (("cuda", config.cuda_sessions), ("cpu", config.cpu_sessions)):
                 for _ in range(count):
-                    session = ModelSession(path, device, intra_op_threads, batch_sizes)
+                    session = ModelSession(config, device, batch_sizes)
                     self._members.append(_Member(session))
         except Exception:
             self.close()
             raise
-        self.metadata: ModelMetadata = self._members[0].session.metadata
+        self.signature: Signature = self._members[0].session.signature
 
     @property
     def providers(self) -> list[list[str]]:
@@ -100,24 +93,20 @@ class SessionPool:
         """Sessions in the pool: how many batches run at once."""
         return len(self._members)
 
-    async def predict(self, matrix: np.ndarray) -> np.ndarray:
-        scores, _seconds = await self.predict_timed(matrix)
-        return scores
-
-    async def predict_timed(self, matrix: np.ndarray) -> tuple[np.ndarray, float]:
-        """Scores and the seconds the run itself took (not the wait for a session)."""
-        rows = matrix.shape[0]
+    async def run_timed(self, feeds: Feeds) -> tuple[list[dict[str, Any]], float]:
+        """Answers and the seconds the run itself took (not the wait for a session)."""
+        rows = len(next(iter(feeds.values())))
         member = min(self._members, key=lambda m: m.expected_finish_s(rows))
         member.outstanding += 1
         try:
-            scores, seconds = await member.session.predict_timed(matrix)
+            answers, seconds = await member.session.run_timed(feeds)
         finally:
             member.outstanding -= 1
         member.observe(rows, seconds)
-        return scores, seconds
+        return answers, seconds
 
-    def predict_blocking(self, matrix: np.ndarray) -> np.ndarray:
-        return self._members[0].session.predict(matrix)
+    def run_blocking(self, feeds: Feeds) -> list[dict[str, Any]]:
+        return self._members[0].session.run(feeds)
 
     def close(self) -> None:
         for member in self._members:

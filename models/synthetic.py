@@ -7,24 +7,24 @@ those of the model it is made `like`, so a pipeline serves it unchanged.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from models.session import ModelSession
+from models.config import ModelConfig
+from models.session import load_session
 
 
 def write_heavy_model(like: Path, out: Path, width: int = 1024, layers: int = 8) -> Path:
     """Same inputs, outputs and metadata as `like`, with `layers` dense layers of
     `width` per row (about 2 * layers * width² FLOPs per event). The hidden layers
     share one weight matrix, so the file stays small whatever the depth."""
-    reference = ModelSession(like)
-    meta = reference.metadata
-    reference.close()
+    props = load_session(ModelConfig(path=like)).get_modelmeta().custom_metadata_map
     rng = np.random.default_rng(0)
-    features = len(meta.feature_names)
+    features = len(json.loads(props["feature_names"]))
     weights = [
         numpy_helper.from_array(rng.normal(0, 0.05, (features, width)).astype(np.float32), "w0"),
         numpy_helper.from_array(rng.normal(0, 0.05, (width, width)).astype(np.float32), "w"),

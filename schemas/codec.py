@@ -3,32 +3,67 @@
 `decode` resolves the writer's schema by id (cached after the first sight) and reads
 the body into our reader schema, so producers may evolve their schema compatibly.
 Every way a record can be unreadable raises `DecodeError` with a stable reason code.
+Resolving an id may ask a registry (blocking HTTP): `unknown_ids` and `learn` let a
+caller on an event loop do that part on a thread, so that `decode` never blocks.
 """
 
 from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 import fastavro
 from fastavro.read import SchemaResolutionError
 
-from schemas.catalogue import SchemaCatalogue, load_schema, parsed_schema
-from schemas.errors import DecodeError
+from schemas.catalogue import SchemaCatalogue, load_schema
+from schemas.errors import DecodeError, SchemaNotFoundError
 
 MAGIC_BYTE = 0
 _HEADER = struct.Struct(">bI")
 
+Schema = str | dict[str, Any]
+"""A shipped schema's file name (`transaction.avsc`) or a schema's raw JSON."""
+
+
+def _raw(schema: Schema) -> dict[str, Any]:
+    return load_schema(schema) if isinstance(schema, str) else schema
+
+
+def schema_id_of(raw: bytes | None) -> int | None:
+    """The schema id a framed record names; None when it is not framed."""
+    if raw is None or len(raw) < _HEADER.size or raw[0] != MAGIC_BYTE:
+        return None
+    return _HEADER.unpack_from(raw)[1]
+
 
 class AvroDecoder:
-    """Decodes framed records into dicts of one reader schema (a `.avsc` in `schemas/`)."""
+    """Decodes framed records into dicts of one reader schema (None: each record as its
+    writer schema says, e.g. a tool reading any pipeline's answers)."""
 
-    def __init__(self, catalogue: SchemaCatalogue, reader_file: str) -> None:
+    def __init__(self, catalogue: SchemaCatalogue, reader: Schema | None) -> None:
         self._catalogue = catalogue
-        self._reader_raw = load_schema(reader_file)
-        self._reader = parsed_schema(reader_file)
+        self._reader_raw = _raw(reader) if reader is not None else {"name": "its writer schema"}
+        self._reader = fastavro.parse_schema(self._reader_raw) if reader is not None else None
         self._writers: dict[int, Any] = {}
+        self._unknown: dict[int, SchemaNotFoundError] = {}
+
+    def unknown_ids(self, raws: Iterable[bytes | None]) -> set[int]:
+        """Schema ids among `raws` not resolved yet (what `learn` would look up)."""
+        writers, unknown = self._writers, self._unknown
+        ids = {schema_id_of(raw) for raw in raws}
+        return {i for i in ids if i is not None and i not in writers and i not in unknown}
+
+    def learn(self, schema_ids: Iterable[int]) -> None:
+        """Blocking: resolve these ids through the catalogue. An id the catalogue does not
+        know is remembered as unknown (its records dead-letter); RegistryError (the
+        registry unreachable) propagates, for the caller to retry."""
+        for schema_id in schema_ids:
+            try:
+                self._writer(schema_id)
+            except SchemaNotFoundError as exc:
+                self._unknown[schema_id] = exc
 
     def decode(self, raw: bytes | None) -> dict[str, Any]:
         if raw is None or len(raw) < _HEADER.size:
@@ -73,17 +108,22 @@ class AvroDecoder:
     def _writer(self, schema_id: int) -> Any:
         writer = self._writers.get(schema_id)
         if writer is None:
+            if schema_id in self._unknown:
+                raise self._unknown[schema_id]
             writer = fastavro.parse_schema(self._catalogue.schema_for_id(schema_id))
             self._writers[schema_id] = writer
         return writer
 
 
 class AvroEncoder:
-    """Encodes dicts of one schema, framed with the id the catalogue gives for `subject`."""
+    """Encodes dicts of one schema, framed with the id the catalogue gives for `subject`
+    (registering it there, with a registry: blocks on HTTP once, when constructed)."""
 
-    def __init__(self, catalogue: SchemaCatalogue, schema_file: str, subject: str) -> None:
-        self._schema = parsed_schema(schema_file)
-        self._header = _HEADER.pack(MAGIC_BYTE, catalogue.id_for(subject, schema_file))
+    def __init__(self, catalogue: SchemaCatalogue, schema: Schema, subject: str) -> None:
+        raw = _raw(schema)
+        self._schema = fastavro.parse_schema(raw)
+        self.schema_id = catalogue.id_for(subject, raw)
+        self._header = _HEADER.pack(MAGIC_BYTE, self.schema_id)
 
     def encode(self, record: dict[str, Any]) -> bytes:
         out = io.BytesIO()

@@ -35,3 +35,7 @@ class SchemaNotFoundError(DecodeError):
 
 class RegistryError(HeadraceError):
     """The schema registry could not be reached or answered with an error."""
+
+
+class SchemaFileError(HeadraceError):
+    """A schema file that cannot be read or is not a valid Avro record schema."""

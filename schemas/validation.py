@@ -1,28 +1,117 @@
-"""Semantic checks of a decoded transaction, beyond what Avro types guarantee."""
+"""Declarative checks of decoded events, beyond what Avro types guarantee.
+
+`EventRules` is compiled once from a pipeline's `input.validate` and the input schema:
+a rule that names no field of the schema, or does not fit the field's type (`min` on a
+string), is refused at start. At run time `check(event)` raises InvalidEventError
+naming the field and the rule, so the dead letter says which rule failed.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from schemas.errors import DecodeError
+from schemas.config import FieldRules
+from schemas.errors import DecodeError, SchemaFileError
+
+Check = Callable[[Any], bool]
 
 
 class InvalidEventError(DecodeError):
-    """A well-formed record whose values cannot be scored."""
+    """A well-formed record whose values break a validation rule."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__("invalid_field", message)
+    def __init__(self, field: str, rule: str, expected: str, got: Any) -> None:
+        super().__init__(
+            "invalid_field", f"field {field!r} breaks rule {rule}: expected {expected}, got {got!r}"
+        )
+        self.field = field
+        self.rule = rule
 
 
-def validate_transaction(event: dict[str, Any]) -> None:
-    """Raise InvalidEventError naming the first field that cannot be scored."""
-    for key_field in ("event_id", "user_id", "merchant_id"):
-        if not event[key_field]:
-            raise InvalidEventError(f"field {key_field!r} must be a non-empty string, got ''")
-    amount = event["amount"]
-    if not math.isfinite(amount) or amount < 0:
-        raise InvalidEventError(f"field 'amount' must be finite and >= 0, got {amount!r}")
-    hour = event["hour_of_day"]
-    if not 0 <= hour <= 23:
-        raise InvalidEventError(f"field 'hour_of_day' must be within 0..23, got {hour}")
+_NUMERIC = {"int", "long", "float", "double"}
+_SIZED = {"string", "bytes", "array", "map"}
+
+
+def field_types(schema: Mapping[str, Any]) -> dict[str, set[str]]:
+    """Each top-level field of a record schema with its Avro type names (a union's
+    branches, named types by their kind)."""
+    out = {}
+    for field in schema["fields"]:
+        declared = field["type"]
+        branches = declared if isinstance(declared, list) else [declared]
+        out[field["name"]] = {b["type"] if isinstance(b, dict) else b for b in branches}
+    return out
+
+
+class EventRules:
+    """The compiled rules of one input schema; `check` is on the hot path."""
+
+    def __init__(self, rules: Mapping[str, FieldRules], schema: Mapping[str, Any]) -> None:
+        types = field_types(schema)
+        self._checks: list[tuple[str, str, str, Check]] = []
+        problems = []
+        for field, spec in rules.items():
+            if field not in types:
+                problems.append(f"validate names {field!r}, not a field of {schema['name']}")
+                continue
+            for rule, expected, check, fits in _rules_of(spec):
+                if not fits(types[field]):
+                    problems.append(
+                        f"validate.{field}.{rule} does not fit field {field!r} of type "
+                        f"{sorted(types[field])}"
+                    )
+                self._checks.append((field, rule, expected, check))
+        if problems:
+            raise SchemaFileError(
+                "; ".join(problems) + f" (fields of {schema['name']}: {list(types)})"
+            )
+
+    def check(self, event: Mapping[str, Any]) -> None:
+        """Raise InvalidEventError naming the first field and rule that fail."""
+        for field, rule, expected, passes in self._checks:
+            value = event.get(field)
+            if not passes(value):
+                raise InvalidEventError(field, rule, expected, value)
+
+    def describe(self) -> list[str]:
+        return [f"{field}: {rule} ({expected})" for field, rule, expected, _ in self._checks]
+
+
+def _any(_types: set[str]) -> bool:
+    return True
+
+
+def _numeric(types: set[str]) -> bool:
+    return bool(types & _NUMERIC)
+
+
+def _sized(types: set[str]) -> bool:
+    return bool(types & _SIZED)
+
+
+def _rules_of(spec: FieldRules) -> list[tuple[str, str, Check, Callable[[set[str]], bool]]]:
+    """(rule, what it expects, check, whether it fits a field's types); None passes every
+    rule but `required`, so an optional field is checked only when present."""
+    rules: list[tuple[str, str, Check, Callable[[set[str]], bool]]] = []
+    if spec.required:
+        rules.append(("required", "a value", lambda v: v is not None, _any))
+    if spec.non_empty:
+        rules.append(("non_empty", "a non-empty value", lambda v: v is None or len(v) > 0, _sized))
+    if spec.finite:
+        rules.append(
+            ("finite", "a finite number", lambda v: v is None or math.isfinite(v), _numeric)
+        )
+    low, high = spec.min, spec.max
+    if low is not None:
+        # NaN compares false: `min` alone also refuses NaN.
+        rules.append(("min", f">= {low}", lambda v: v is None or v >= low, _numeric))
+    if high is not None:
+        rules.append(("max", f"<= {high}", lambda v: v is None or v <= high, _numeric))
+    if spec.one_of is not None:
+        allowed = frozenset(spec.one_of)
+        rules.append(
+            ("one_of", f"one of {sorted(allowed, key=str)}", lambda v: v is None or v in allowed,
+             _any)
+        )  # fmt: skip
+    return rules

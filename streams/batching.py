@@ -1,11 +1,13 @@
 """The micro-batcher: when to release a batch, and a bounded async queue that does it.
 
 A batch is released when it is full, when its first event has waited `max_wait`,
-or early when waiting longer would make its oldest event miss its deadline (Kafka
-timestamp plus the pipeline's latency budget) given the measured service time. In
-adaptive mode "full" means the smallest batch size whose measured throughput keeps
-up with the arrival rate, so batches stay small (fast) under light load and grow
-under heavy load. Clocks are passed in, so the policy is tested without sleeping.
+or early when waiting longer would make its oldest event miss its deadline (computed
+once per event, at decode) given the estimated time to answer it. In adaptive mode
+"full" means the smallest batch size whose measured throughput keeps up with the
+arrival rate, so batches stay small (fast) under light load and grow under heavy
+load. The estimates come from the pipeline's one service-time estimator (the
+`CompletionModel` admission uses too). Clocks are passed in, so the policy is tested
+without sleeping.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -25,28 +27,20 @@ HEADROOM = 1.25
 # Most events in one batch of events already past their deadline: those only get cheap
 # answers, so a backlog of them leaves in few, large batches.
 MAX_EXPIRED_BATCH = 512
-_EWMA = 0.2
 # The shortest wait worth a timer: the resolution of libuv's (uvloop's) timers.
 TIMER_RESOLUTION_S = 0.001
 
 
-class ServiceTimes:
-    """Measured seconds per batch, smoothed, per batch-size bucket (powers of two)."""
+class ServiceEstimates(Protocol):
+    """What the batcher asks the pipeline's service-time estimator (monotonic seconds)."""
 
-    def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+    def completion_s(self, batch_size: int, now_s: float) -> float:
+        """Seconds until a batch of this size, released now, is answered."""
+        ...
 
-    def observe(self, size: int, seconds: float) -> None:
-        bucket = size_bucket(size)
-        old = self._seconds.get(bucket)
-        self._seconds[bucket] = seconds if old is None else old + _EWMA * (seconds - old)
-
-    def estimate(self, size: int) -> float:
-        """Expected seconds for a batch of `size`; 0 before anything was measured.
-
-        An unmeasured size is scaled linearly from the nearest measured bucket.
-        """
-        return scaled_from_nearest(self._seconds, size)
+    def stage_bounds(self, now_s: float) -> Callable[[int], float]:
+        """Seconds of the slowest stage of a batch, by its size (0: not measured)."""
+        ...
 
 
 def scaled_from_nearest(by_bucket: dict[int, float], size: int) -> float:
@@ -65,20 +59,17 @@ def scaled_from_nearest(by_bucket: dict[int, float], size: int) -> float:
 class BatchPolicy:
     max_batch_size: int
     max_wait_s: float
-    latency_budget_s: float
     adaptive: bool
-    stage_times: ServiceTimes
-    """Seconds of a batch's slowest stage: what bounds throughput when stages overlap."""
-    completion_times: ServiceTimes
-    """Seconds from a batch's release to its acknowledgement: what a deadline must allow."""
+    service: ServiceEstimates
 
-    def target_size(self, arrival_per_s: float) -> int:
+    def target_size(self, arrival_per_s: float, now: float) -> int:
         """The size at which a batch counts as full."""
         if not self.adaptive:
             return self.max_batch_size
+        stage_s = self.service.stage_bounds(now)
         size = 1
         while size < self.max_batch_size:
-            seconds = self.stage_times.estimate(size)
+            seconds = stage_s(size)
             if seconds <= 0 or size / seconds >= arrival_per_s * HEADROOM:
                 return size
             size *= 2
@@ -94,8 +85,8 @@ class BatchPolicy:
     ) -> float:
         """The monotonic instant at which a batch of `size` pending events must be released."""
         wait_expires = first_arrival + self.max_wait_s
-        # Leave the expected service time before the oldest event's deadline.
-        slack = oldest_deadline_wall - now_wall - self.completion_times.estimate(size)
+        # Leave the expected time to answer before the oldest event's deadline.
+        slack = oldest_deadline_wall - now_wall - self.service.completion_s(size, now)
         return min(wait_expires, now + slack)
 
 
@@ -145,7 +136,7 @@ class MicroBatcher(Generic[T]):
 
     def target_size(self) -> int:
         """The size at which the pending batch counts as full, at the current arrival rate."""
-        return self.policy.target_size(self._rate.per_s())
+        return self.policy.target_size(self._rate.per_s(), self._clock())
 
     def ready(self) -> float:
         """Seconds until the pending batch is due; 0 when it is due now."""

@@ -10,28 +10,16 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from features.config import FeatureCacheConfig, FeaturesConfig
+from models.config import ModelConfig
+from schemas.config import FrozenModel as _Frozen
+from schemas.config import InputConfig, RegistryConfig
 from streams.errors import ConfigError
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-def _resolve(path: Path, info: ValidationInfo) -> Path:
-    base = (info.context or {}).get("base_dir")
-    return path if path.is_absolute() or base is None else (base / path).resolve()
+_AVRO_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class BrokerConfig(_Frozen):
@@ -42,44 +30,6 @@ class BrokerConfig(_Frozen):
     (less CPU per event, in the worker and the broker) for at most this much latency."""
     fetch_min_bytes: int = Field(16_384, ge=1, le=50_000_000)
     """Bytes a fetch waits for (up to `fetch_max_wait_ms`) before the broker answers."""
-
-
-class RegistryConfig(_Frozen):
-    url: str = Field(pattern=r"^https?://")
-    """Base URL of a Confluent-compatible API (Apicurio: `.../apis/ccompat/v7`)."""
-
-
-class FeaturesConfig(_Frozen):
-    repo_path: Path = Path("features/repo")
-    """Folder of the Feast repo (`feature_store.yaml`)."""
-
-    _resolve_repo = field_validator("repo_path")(_resolve)
-
-
-class ModelConfig(_Frozen):
-    path: Path
-    """The `.onnx` artifact, with headrace metadata (see `headrace models train`)."""
-    cpu_sessions: int = Field(1, ge=0, le=64)
-    """CPU sessions in the pool, each on its own thread."""
-    cuda_sessions: int = Field(0, ge=0, le=16)
-    """CUDA sessions; each falls back to CPU, with a warning, where CUDA is unusable."""
-    intra_op_threads: int = Field(1, ge=1, le=64)
-    """ONNX Runtime threads per session; 1 suits a 2-core machine."""
-
-    _resolve_path = field_validator("path")(_resolve)
-
-    @model_validator(mode="after")
-    def _some_session(self) -> ModelConfig:
-        if self.cpu_sessions + self.cuda_sessions < 1:
-            raise ValueError("needs at least one session: cpu_sessions + cuda_sessions >= 1")
-        return self
-
-
-class FeatureCacheConfig(_Frozen):
-    max_entries: int = Field(100_000, ge=0, le=100_000_000)
-    """Rows kept per feature view (LRU); 0 turns the cache off."""
-    max_staleness_s: float = Field(30.0, ge=0, le=86_400)
-    """How long a cached row is served before it is read from the store again."""
 
 
 class PriorityConfig(_Frozen):
@@ -133,8 +83,19 @@ class DegradationConfig(_Frozen):
     """A cheaper model (`headrace models train` writes `fraud-lite.onnx`); used while it
     can still meet the event's deadline."""
     answer_cache: AnswerCacheConfig = AnswerCacheConfig()
-    default_score: float | None = Field(None, ge=0, le=1)
-    """A fixed score for whatever is left (None: shed instead)."""
+    default_score: float | None = None
+    """A fixed answer for whatever is left: the score of a binary model, the value of a
+    regression (None: shed instead; a multiclass model has no default answer)."""
+
+
+class OutputConfig(_Frozen):
+    """The answer records: their schema is derived from the pipeline (`headrace schema
+    show`), registered under `<output_topic>-value` with a registry."""
+
+    include: list[str] | None = None
+    """Input fields copied into every answer (None: the input's event_id_field, if any)."""
+    record_name: str = Field("Prediction", pattern=_AVRO_NAME)
+    namespace: str = Field("headrace.predictions", pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
 class PipelineConfig(_Frozen):
@@ -142,11 +103,15 @@ class PipelineConfig(_Frozen):
     input_topic: str = Field(pattern=_NAME)
     output_topic: str = Field(pattern=_NAME)
     dead_letter_topic: str = Field(pattern=_NAME)
-    feature_service: str = Field(min_length=1)
-    entity_fields: dict[str, str] = Field(min_length=1)
+    input: InputConfig
+    feature_service: str | None = Field(None, min_length=1)
+    """The Feast feature service read for each event (None: the model needs only event
+    fields)."""
+    entity_fields: dict[str, str] = Field(default_factory=dict)
     """Feast join key -> the event field that carries it."""
     feature_cache: FeatureCacheConfig = FeatureCacheConfig()
     model: ModelConfig
+    output: OutputConfig = OutputConfig()
     max_batch_size: int = Field(64, ge=1, le=4096)
     """Most events in one micro-batch (one Feast read, one ONNX run)."""
     max_wait_ms: float = Field(2.0, ge=0, le=10_000)
@@ -155,15 +120,20 @@ class PipelineConfig(_Frozen):
     """`adaptive`: a batch is full at the smallest size that keeps up with the arrival
     rate (small batches when traffic is light); `fixed`: full at `max_batch_size`."""
     latency_budget_ms: float = Field(100.0, gt=0, le=3_600_000)
-    """An event's deadline is its event time plus this budget."""
-    event_time_field: str | None = Field(None, min_length=1)
-    """Event field with the event time in epoch milliseconds (None: the Kafka timestamp)."""
+    """An event's deadline is its event time (`input.event_time_field`, else the Kafka
+    timestamp) plus this budget."""
     priority: PriorityConfig = PriorityConfig()
     degradation: DegradationConfig = DegradationConfig()
     max_in_flight: int = Field(2_000, ge=1, le=1_000_000)
     """Consumed but unacknowledged events at which fetching pauses (the memory bound)."""
     resume_in_flight: int | None = Field(None, ge=0)
     """Fetching resumes when in-flight events drain to this; default half of max_in_flight."""
+
+    @model_validator(mode="after")
+    def _features(self) -> PipelineConfig:
+        if self.feature_service is not None and not self.entity_fields:
+            raise ValueError("feature_service needs entity_fields (Feast join key -> event field)")
+        return self
 
     @model_validator(mode="after")
     def _water_marks(self) -> PipelineConfig:
@@ -173,6 +143,13 @@ class PipelineConfig(_Frozen):
                 f"max_in_flight ({self.max_in_flight})"
             )
         return self
+
+    @property
+    def included_fields(self) -> list[str]:
+        """Input fields copied into answers."""
+        if self.output.include is not None:
+            return self.output.include
+        return [self.input.event_id_field] if self.input.event_id_field else []
 
     @property
     def resume_at(self) -> int:

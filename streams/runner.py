@@ -1,12 +1,14 @@
 """Runs one pipeline's batches through overlapping stages, bounded and in order.
 
-    consumer ──submit──► MicroBatcher ──► decode, admit ──► features ──► re-check, infer
-                          ──► publish ──► ack
-                          (in-flight bound: pause fetching at `high`, resume at `low`)
+    consumer ──submit──► decode (deadline, priority) ──► MicroBatcher ──► admit
+      ──► features ──► re-check, infer ──► publish ──► ack
+      (in-flight bound: pause fetching at `high`, resume at `low`)
 
-Admission happens as a batch is released and again before its inference, with the
-`CompletionModel`: the runner reserves each admitted batch's model work until its run
-ends, and measures model runs and the rest of each batch's path.
+Each chunk a consumer submits is decoded first, so every event enters the batcher with
+its deadline (computed once, from its event time). Admission happens as a batch is
+released and again before its inference, with the `CompletionModel`, which the batcher
+asks too: the runner reserves each admitted batch's model work until its run ends, and
+measures model runs, each batch's slowest stage and the rest of its path.
 
 While batch k is in the model, batch k+1 reads its features and batch k-1 is being
 published. Batches leave every stage in the order they entered, so outputs keep the
@@ -22,20 +24,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from features.errors import FeatureStoreError
 from models.errors import ModelError
 from schemas.errors import RegistryError
 from streams import metrics
-from streams.admission import Estimates, Route
+from streams.admit import CompletionModel, Estimates, Route
+from streams.backpressure import InFlight
 from streams.batching import BatchPolicy, MicroBatcher
-from streams.completion import CompletionModel
+from streams.decode import EventDecoder
 from streams.errors import PublishError
-from streams.flow import InFlight
-from streams.pipeline import InputRecord, Pipeline, Prepared
+from streams.pipeline import Pipeline, Prepared
+from streams.records import InputRecord, Item
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +52,15 @@ AckBatch = Callable[[list[Any]], None]
 
 @dataclass
 class _Batch:
-    records: list[InputRecord]
-    handles: list[Any]
-    released: float = field(default_factory=time.monotonic)
+    items: list[Item]
     reservation_s: float = 0.0
     """Its full-model work as counted ahead of later batches (CompletionModel)."""
     outside_model_s: float = 0.0
     """Seconds spent so far outside the model runs (decode, features)."""
+
+    @property
+    def records(self) -> list[InputRecord]:
+        return [item.record for item in self.items]
 
 
 class PipelineRunner:
@@ -64,20 +70,39 @@ class PipelineRunner:
     def __init__(
         self,
         pipeline: Pipeline,
-        policy: BatchPolicy,
+        decoder: EventDecoder,
         in_flight: InFlight,
         ack: AckBatch,
         on_fatal: Callable[[BaseException, Sequence[InputRecord]], NoReturn],
         concurrent_inference: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        retry_delays_s: Sequence[float] = RETRY_DELAYS_S,
     ) -> None:
         self.pipeline = pipeline
-        self.policy = policy
+        self._retry_delays_s = tuple(retry_delays_s)
         self.in_flight = in_flight
+        self._decoder = decoder
         self._ack = ack
         self._on_fatal = on_fatal
-        self._name = pipeline.config.name
-        self._budget_s = pipeline.config.latency_budget_ms / 1000
-        self._batcher: MicroBatcher[tuple[InputRecord, Any]] = MicroBatcher(policy)
+        self._clock = clock
+        spec = pipeline.config
+        self._name = spec.name
+        # The one service-time estimator: admission and the batcher both ask it.
+        self._completion = CompletionModel(sessions=concurrent_inference)
+        self._seed_run_times()
+        self.policy = BatchPolicy(
+            max_batch_size=spec.max_batch_size,
+            max_wait_s=spec.max_wait_ms / 1000,
+            adaptive=spec.batching == "adaptive",
+            service=self._completion,
+        )
+        self._batcher: MicroBatcher[Item] = MicroBatcher(self.policy, clock, wall_clock)
+        # Submitted chunks waiting for decode: bounded by the in-flight bound, which
+        # stops the consumer before it submits more.
+        self._to_decode: deque[tuple[Sequence[InputRecord], Sequence[Any]]] = deque()
+        self._submitted = asyncio.Event()
+        self._draining = False
         self._to_infer: asyncio.Queue = asyncio.Queue(maxsize=1)
         self._to_publish: asyncio.Queue = asyncio.Queue(maxsize=concurrent_inference)
         self._tasks: list[asyncio.Task] = []
@@ -85,27 +110,27 @@ class PipelineRunner:
         self._inference_wait = metrics.QUEUE_SECONDS.labels(self._name, "inference")
         self._publish_wait = metrics.QUEUE_SECONDS.labels(self._name, "publish")
         self._retries = metrics.RETRIES.labels(self._name)
-        self._completion = CompletionModel(sessions=concurrent_inference)
-        self._seed_run_times()
         self._metrics = pipeline.metrics
 
     def _seed_run_times(self) -> None:
         # The models' warm-up runs: better first estimates than none, until measured.
-        fallback = self.pipeline.fallback_model
+        fallback = self.pipeline.fallback
         self._completion.seed(
-            self.pipeline.model.warmup_seconds,
-            max(fallback.warmup_seconds.values()) if fallback is not None else 0.0,
+            self.pipeline.model.pool.warmup_seconds,
+            max(fallback.pool.warmup_seconds.values()) if fallback is not None else 0.0,
         )
 
     def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
-        """Hand consumed records over, each with the handle the ack callback receives."""
+        """Hand consumed records over, each with the handle the ack callback receives.
+        Never blocks: the consumer bounds what it submits (the in-flight bound)."""
         self.in_flight.add(len(records))
-        deadlines = [r.timestamp_ms / 1000 + self._budget_s for r in records]
-        self._batcher.put(list(zip(records, handles, strict=True)), deadlines)
+        self._to_decode.append((records, handles))
+        self._submitted.set()
 
     async def start(self) -> None:
         if not self._tasks:
             self._tasks = [
+                asyncio.create_task(self._decode(), name=f"{self._name}-decode"),
                 asyncio.create_task(self._release(), name=f"{self._name}-release"),
                 asyncio.create_task(self._infer(), name=f"{self._name}-infer"),
                 asyncio.create_task(self._publish(), name=f"{self._name}-publish"),
@@ -120,7 +145,9 @@ class PipelineRunner:
 
     async def drain(self) -> None:
         """Release everything pending and wait until every submitted record is acked."""
-        self._batcher.flush()
+        self._draining = True
+        if not self._to_decode:  # else the decode stage flushes once it is empty
+            self._batcher.flush()
         await self.in_flight.wait_below(1)
 
     async def stop(self) -> None:
@@ -131,50 +158,56 @@ class PipelineRunner:
 
     # Stages ---------------------------------------------------------------------
 
+    async def _decode(self) -> None:
+        while True:
+            while not self._to_decode:
+                self._submitted.clear()
+                await self._submitted.wait()
+            records, handles = self._to_decode[0]
+            items = await self._retrying(records, "decode", self._decoder.decode, records, handles)
+            self._to_decode.popleft()
+            self._batcher.put(items, [item.deadline_s for item in items])
+            if self._draining and not self._to_decode:
+                self._batcher.flush()
+
     async def _release(self) -> None:
         while True:
             items = await self._batcher.next_batch()
             self._target_size.set(self._batcher.target_size())
-            batch = _Batch([record for record, _ in items], [handle for _, handle in items])
-            # Decode and admit at once, before any feature or model work is spent.
-            prepared = await self._retrying(batch, "decode", self._decode, batch.records)
-            now = time.monotonic()
-            estimates = self._estimates("admission", now, len(batch.records))
+            batch = _Batch(items)
+            # Admit at once, before any feature or model work is spent.
+            prepared = self.pipeline.prepare(items)
+            now = self._clock()
+            estimates = self._estimates("admission", now, len(items))
             self.pipeline.route(prepared.admitted, estimates)
             batch.reservation_s = self._completion.reserve(prepared.count(Route.FULL), now)
             features = asyncio.create_task(
-                self._retrying(batch, "features", self.pipeline.read_features, prepared)
+                self._retrying(batch.records, "features", self.pipeline.read_features, prepared)
             )
-            await self._to_infer.put((batch, prepared, features, time.monotonic()))
-
-    async def _decode(self, records: list[InputRecord]) -> Prepared:
-        # A coroutine for `_retrying`: an unreachable registry is worth retrying.
-        return self.pipeline.decode(records)
+            await self._to_infer.put((batch, prepared, features, self._clock()))
 
     async def _infer(self) -> None:
         while True:
             batch, prepared, features, queued = await self._to_infer.get()
             await features
-            started = time.monotonic()
+            started = self._clock()
             self._inference_wait.observe(started - queued)
             batch.outside_model_s = (
                 prepared.timings["decode_us"] + prepared.timings["features_us"]
             ) / 1e6
             # Again, now that its features are read: the work ahead may have grown.
             full = [item for item in prepared.admitted if item.route is Route.FULL]
-            estimates = self._estimates(
-                "inference", started, len(batch.records), batch.reservation_s
-            )
+            estimates = self._estimates("inference", started, len(batch.items), batch.reservation_s)
             self.pipeline.route(full, estimates)
             inference = asyncio.create_task(self._run_models(batch, prepared))
-            await self._to_publish.put((batch, prepared, inference, time.monotonic()))
+            await self._to_publish.put((batch, prepared, inference, self._clock()))
 
     async def _run_models(self, batch: _Batch, prepared: Prepared) -> None:
         try:
-            await self._retrying(batch, "inference", self.pipeline.infer, prepared)
+            await self._retrying(batch.records, "inference", self.pipeline.infer, prepared)
         finally:
             self._completion.release(batch.reservation_s)
-        now = time.monotonic()
+        now = self._clock()
         runs = prepared.run_seconds
         if Route.FULL in runs:
             self._completion.full_runs.observe(prepared.count(Route.FULL), runs[Route.FULL], now)
@@ -185,16 +218,15 @@ class PipelineRunner:
         while True:
             batch, prepared, inference, queued = await self._to_publish.get()
             await inference
-            self._publish_wait.observe(time.monotonic() - queued)
-            started = time.monotonic()
-            await self._retrying(batch, "publish", self.pipeline.publish, prepared)
-            self._ack(batch.handles)
-            done = time.monotonic()
-            size = len(batch.records)
+            self._publish_wait.observe(self._clock() - queued)
+            started = self._clock()
+            await self._retrying(batch.records, "publish", self.pipeline.publish, prepared)
+            self._ack([item.handle for item in batch.items])
+            done = self._clock()
+            size = len(batch.items)
             publish_s = done - started
             slowest_s = max(batch.outside_model_s, *prepared.run_seconds.values(), publish_s)
-            self.policy.stage_times.observe(size, slowest_s)
-            self.policy.completion_times.observe(size, done - batch.released)
+            self._completion.slowest_stages.observe(size, slowest_s, done)
             self._completion.rest.observe(size, batch.outside_model_s + publish_s, done)
             await self.in_flight.done(size)
 
@@ -206,13 +238,15 @@ class PipelineRunner:
         self._metrics.estimate("fallback", check).set(estimates.fallback_s)
         return estimates
 
-    async def _retrying(self, batch: _Batch, stage: str, step: Callable[..., Awaitable], *args):
-        for attempt, delay_s in enumerate((*RETRY_DELAYS_S, None), start=1):
+    async def _retrying(
+        self, records: Sequence[InputRecord], stage: str, step: Callable[..., Awaitable], *args
+    ):
+        for attempt, delay_s in enumerate((*self._retry_delays_s, None), start=1):
             try:
                 return await step(*args)
             except TRANSIENT as exc:
                 if delay_s is None:
-                    self._on_fatal(exc, batch.records)
+                    self._on_fatal(exc, records)
                 log.warning(
                     "pipeline %s: %s of a batch failed (attempt %d: %s); retrying",
                     self._name, stage, attempt, exc,
@@ -220,4 +254,8 @@ class PipelineRunner:
                 self._retries.inc()
                 await asyncio.sleep(delay_s)
             except Exception as exc:  # a bug: never ack what it may have skipped
-                self._on_fatal(exc, batch.records)
+                self._on_fatal(exc, records)
+
+
+MakeRunner = Callable[[str, InFlight, AckBatch], PipelineRunner]
+"""What a consumer runtime is given: builds the runner of the pipeline with this name."""

@@ -21,8 +21,8 @@ from infra.redis import RedisServer
 from infra.registry import SchemaRegistryServer
 from infra.topics import delete_topics
 from models.train import fallback_path
+from streams.app import create_topics
 from streams.config import HeadraceConfig
-from streams.worker import create_topics
 from tools.deploy import (
     prepare_sample_assets,
     sample_config,

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_INVALID, Consumer, Message, TopicPartition
 
-from schemas.catalogue import open_catalogue
 from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError
 from streams.config import HeadraceConfig, PipelineConfig
 from streams.errors import HeadraceError
+from tools.answers import answer_decoder
 
 STATUSES = ("OK", "DEGRADED", "SHED", "DEAD_LETTER")
 _SHOWN_OFFSETS = 10
@@ -105,9 +105,7 @@ class PipelineAudit:
 
 def audit(config: HeadraceConfig, timeout_s: float = 120.0) -> list[PipelineAudit]:
     """Audit every pipeline of `config`; blocks while it reads the topics."""
-    decoder = AvroDecoder(
-        open_catalogue(config.registry.url if config.registry else None), "prediction.avsc"
-    )
+    decoder = answer_decoder(config)
     return [
         _audit_pipeline(config.broker.bootstrap_servers, config.app_id, spec, decoder, timeout_s)
         for spec in config.pipelines

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 
@@ -136,7 +135,7 @@ def topics() -> None:
 @click.option("--partitions", default=3, show_default=True, help="For input and output topics.")
 def topics_create(config_path: Path, partitions: int) -> None:
     """Create the missing input, output and dead-letter topics."""
-    from streams.worker import create_topics
+    from streams.app import create_topics
 
     created = create_topics(_config(config_path), partitions)
     click.echo(f"created: {', '.join(created) or 'nothing (all exist)'}")
@@ -190,10 +189,91 @@ def models_train(out: Path, users: int, merchants: int) -> None:
 
 @cli.command()
 @config_option
+def check(config_path: Path) -> None:
+    """Load every pipeline's schema, feature service and models without Kafka; print the
+    resolved column map and the answer schema; exit 1 listing every problem."""
+    from contextlib import ExitStack
+
+    from tools.answers import catalogue_of
+    from tools.check import inspect_all, report
+
+    config = _config(config_path)
+    with ExitStack() as resources:
+        found = inspect_all(config, resources)
+    # Without a registry, the report shows the ids the local catalogue computes.
+    catalogue = None if config.registry else catalogue_of(config)
+    for inspection in found:
+        click.echo("\n".join(report(inspection, catalogue)))
+    problems = sum(len(inspection.problems) for inspection in found)
+    if problems:
+        raise click.ClickException(f"{problems} problem(s) in {config_path}")
+    click.echo(f"{config_path}: {len(found)} pipeline(s), no problems")
+
+
+@cli.group()
+def schema() -> None:
+    """A pipeline's schemas."""
+
+
+@schema.command("show")
+@config_option
+@click.option("--pipeline", "pipeline_name", help="Pipeline name (default: the first).")
+@click.option("--input", "show_input", is_flag=True, help="The input (reader) schema instead.")
+def schema_show(config_path: Path, pipeline_name: str | None, show_input: bool) -> None:
+    """Print a pipeline's answer schema (Avro JSON; its local-catalogue id on stderr
+    without a registry): what a consumer reads the output topic with."""
+    from schemas.catalogue import LocalCatalogue
+    from streams.app import answer_schema_of, input_schema
+    from tools.answers import catalogue_of
+
+    config = _config(config_path)
+    spec = _pipeline(config, pipeline_name)
+    catalogue = catalogue_of(config)
+    subject = f"{spec.input_topic if show_input else spec.output_topic}-value"
+    shown = input_schema(spec, catalogue) if show_input else answer_schema_of(spec, catalogue)
+    click.echo(json.dumps(shown, indent=2))
+    if isinstance(catalogue, LocalCatalogue):
+        click.echo(f"schema id {catalogue.id_for(subject, shown)} (local catalogue)", err=True)
+
+
+@cli.command()
+@click.option("--name", required=True, help="Pipeline name (also names its topics).")
+@click.option("--schema", "schema_path", required=True, type=click.Path(path_type=Path),
+              help="The events' Avro schema (.avsc).")  # fmt: skip
+@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path),
+              help="The ONNX model.")  # fmt: skip
+@click.option("--feature-service", help="A Feast feature service of the repo.")
+@click.option("--repo", type=click.Path(path_type=Path), default=Path("features/repo"),
+              show_default=True, help="The Feast repo of the feature service.")  # fmt: skip
+def init(
+    name: str, schema_path: Path, model_path: Path, feature_service: str | None, repo: Path
+) -> None:
+    """Print a pipeline stanza for the `pipelines:` list of a config, from an event schema,
+    a model and (optionally) a feature service. Check it with `headrace check`."""
+    import yaml
+
+    from tools.init import stanza
+
+    refs, join_keys = [], []
+    if feature_service:
+        from features.store import open_store
+
+        store = open_store(repo)
+        service = store.get_feature_service(feature_service)
+        for projection in service.feature_view_projections:
+            refs += [f"{projection.name_to_use()}__{f.name}" for f in projection.features]
+            view = store.get_feature_view(projection.name)
+            join_keys += [c.name for c in view.entity_columns if c.name not in join_keys]
+    spec = stanza(name, schema_path, model_path, refs, feature_service, join_keys)
+    click.echo(yaml.safe_dump([spec], sort_keys=False), nl=False)
+
+
+@cli.command()
+@config_option
 @click.option("-l", "--log-level", default="info", type=click.Choice(["debug", "info", "warn"]))
 def worker(config_path: Path, log_level: str) -> None:
     """Run a worker until SIGTERM or Ctrl-C."""
-    from streams.worker import run_worker
+    from streams.app import run_worker
 
     run_worker(_config(config_path), log_level)
 
@@ -213,20 +293,19 @@ def produce(
     seed: int,
     priority: int | None,
 ) -> None:
-    """Send synthetic transactions at a fixed rate to a pipeline's input topic."""
+    """Send synthetic events at a fixed rate to a sample pipeline's input topic (the
+    example pipelines' events: transactions or clicks, chosen by the input schema)."""
     from confluent_kafka import Producer
 
     from features.sample_data import SampleWorld
-    from schemas.catalogue import open_catalogue
-    from schemas.codec import AvroEncoder
-    from tools.loadgen import encoded, sample_events, send_at_rate
+    from tools.answers import event_encoder
+    from tools.loadgen import encoded, events_for, send_at_rate
 
     config = _config(config_path)
     spec = _pipeline(config, pipeline_name)
-    catalogue = open_catalogue(config.registry.url if config.registry else None)
-    encoder = AvroEncoder(catalogue, "transaction.avsc", f"{spec.input_topic}-value")
+    encoder = event_encoder(config, spec)
     producer = Producer({"bootstrap.servers": config.broker.bootstrap_servers, "linger.ms": 1})
-    records = encoded(sample_events(SampleWorld(), seed), encoder)
+    records = encoded(events_for(spec, SampleWorld(), seed), encoder)
     if priority is not None:
         if spec.priority.header is None:
             raise click.UsageError(f"pipeline {spec.name} reads no priority header")
@@ -254,19 +333,16 @@ def produce(
 def consume(
     config_path: Path, pipeline_name: str | None, max_records: int, from_beginning: bool
 ) -> None:
-    """Print a pipeline's predictions as JSON lines."""
+    """Print a pipeline's answers as JSON lines (a SHED answer's NaN as null)."""
     import uuid
 
     from confluent_kafka import Consumer
 
-    from schemas.catalogue import open_catalogue
-    from schemas.codec import AvroDecoder
+    from tools.answers import answer_decoder, json_safe
 
     config = _config(config_path)
     spec = _pipeline(config, pipeline_name)
-    decoder = AvroDecoder(
-        open_catalogue(config.registry.url if config.registry else None), "prediction.avsc"
-    )
+    decoder = answer_decoder(config)
     consumer = Consumer(
         {
             "bootstrap.servers": config.broker.bootstrap_servers,
@@ -282,10 +358,7 @@ def consume(
             message = consumer.poll(1.0)
             if message is None or message.error():
                 continue
-            answer = decoder.decode(message.value())
-            if math.isnan(answer["score"]):  # SHED: no score; JSON has no NaN
-                answer["score"] = None
-            click.echo(json.dumps(answer))
+            click.echo(json.dumps(json_safe(decoder.decode(message.value()))))
             seen += 1
     except KeyboardInterrupt:
         pass

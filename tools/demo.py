@@ -23,7 +23,7 @@ from infra.ports import free_port
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
-from streams.worker import create_topics
+from streams.app import create_topics
 from tools.bench.cpu import CpuMeter
 from tools.collector import OutcomeCollector
 from tools.deploy import (

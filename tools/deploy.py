@@ -16,7 +16,21 @@ import yaml
 from features.sample_data import SampleWorld
 from features.store import prepare_sample_store
 from models.train import fallback_path
+from schemas.catalogue import SCHEMA_DIR
 from streams.config import HeadraceConfig, parse_config
+
+# The sample fraud pipeline's events and the checks they must pass (headrace.yaml's).
+FRAUD_INPUT: dict[str, Any] = {
+    "schema": str(SCHEMA_DIR / "transaction.avsc"),
+    "event_id_field": "event_id",
+    "validate": {
+        "event_id": ["non_empty"],
+        "user_id": ["non_empty"],
+        "merchant_id": ["non_empty"],
+        "amount": {"finite": True, "min": 0},
+        "hour_of_day": {"min": 0, "max": 23},
+    },
+}
 
 
 def sample_config(
@@ -52,6 +66,7 @@ def sample_config(
                 "input_topic": f"transactions{suffix}",
                 "output_topic": f"fraud-scores{suffix}",
                 "dead_letter_topic": f"transactions-dlq{suffix}",
+                "input": FRAUD_INPUT,
                 "feature_service": "fraud_scoring",
                 "entity_fields": {"user_id": "user_id", "merchant_id": "merchant_id"},
                 "model": {"path": str(model_path)},

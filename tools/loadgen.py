@@ -17,7 +17,10 @@ import numpy as np
 from confluent_kafka import Producer
 
 from features.sample_data import SampleWorld
+from schemas.catalogue import read_schema_file
 from schemas.codec import AvroEncoder
+from schemas.errors import HeadraceError
+from streams.config import PipelineConfig
 
 _CHUNK = 1_000
 
@@ -38,6 +41,38 @@ def sample_events(world: SampleWorld, seed: int, prefix: str | None = None) -> I
             yield row
 
 
+def sample_clicks(world: SampleWorld, seed: int, prefix: str | None = None) -> Iterator[dict]:
+    """An endless stream of valid click events with unique ids (`prefix-N`)."""
+    rng = np.random.default_rng(seed)
+    prefix = prefix or uuid.uuid4().hex[:8]
+    count = 0
+    while True:
+        for row in world.click_events(_CHUNK, rng).to_dict("records"):
+            row["event_id"] = f"{prefix}-{count}"
+            row["dwell_ms"] = int(row["dwell_ms"])
+            row["event_time_ms"] = int(time.time() * 1000)
+            count += 1
+            yield row
+
+
+# The example pipelines' events, by the record name of their input schema, with the
+# field they are keyed by (the entity whose order matters).
+EXAMPLES = {"Transaction": (sample_events, "user_id"), "ClickEvent": (sample_clicks, "session_id")}
+
+
+def events_for(
+    spec: PipelineConfig, world: SampleWorld, seed: int, prefix: str | None = None
+) -> Iterator[dict]:
+    """The sample events of an example pipeline (by its input schema's record name)."""
+    name = read_schema_file(spec.input.schema_path)["name"] if spec.input.schema_path else None
+    if name not in EXAMPLES:
+        raise HeadraceError(
+            f"pipeline {spec.name} reads {name or spec.input.subject} events; the load "
+            f"generator makes only the examples' ({sorted(EXAMPLES)})"
+        )
+    return EXAMPLES[name][0](world, seed, prefix)
+
+
 def malformed_records(encoder: AvroEncoder, valid: dict) -> dict[str, bytes]:
     """One record per way an input can be unreadable, by the reason code it must get."""
     good = encoder.encode(valid)
@@ -51,9 +86,12 @@ def malformed_records(encoder: AvroEncoder, valid: dict) -> dict[str, bytes]:
 
 
 def encoded(events: Iterator[dict], encoder: AvroEncoder) -> Iterator[tuple[bytes, bytes]]:
-    """(key, value) pairs of framed events, keyed by user id."""
+    """(key, value) pairs of framed events, keyed by the example's entity (user or session)."""
+    key = None
     for event in events:
-        yield event["user_id"].encode(), encoder.encode(event)
+        if key is None:
+            key = "user_id" if "user_id" in event else "session_id"
+        yield event[key].encode(), encoder.encode(event)
 
 
 @dataclass

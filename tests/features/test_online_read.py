@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from features.lookup import CacheSettings, FeatureLookup
+from features.config import FeatureCacheConfig
+from features.lookup import FeatureLookup
 from features.online_read import OnlineViewReader
 from features.store import open_store
 
@@ -79,7 +80,12 @@ def test_lookup_treats_rows_past_their_ttl_as_missing(store):
 
 
 def test_lookup_equals_get_online_features_for_live_rows_and_caches_them(store):
-    lookup = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS, CacheSettings(1000, 60))
+    lookup = FeatureLookup(
+        store,
+        "fraud_scoring",
+        ENTITY_FIELDS,
+        FeatureCacheConfig(max_entries=1000, max_staleness_s=60),
+    )
     events = [{"user_id": f"u{i:07d}", "merchant_id": f"m{i % 7:06d}"} for i in range(40)]
     events.append({"user_id": "nobody", "merchant_id": "nowhere"})
     try:

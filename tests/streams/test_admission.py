@@ -6,7 +6,7 @@ from collections import deque
 
 import pytest
 
-from streams.admission import (
+from streams.admit import (
     DEADLINE_AT_RISK,
     DEADLINE_PASSED,
     LOW_PRIORITY,
@@ -14,9 +14,9 @@ from streams.admission import (
     Candidate,
     Estimates,
     Ladder,
+    RecentTimes,
     Route,
 )
-from streams.completion import RecentTimes
 
 BUDGET_S = 0.100
 FULL_LADDER = Ladder(fallback_model=True, answer_cache=True, default_answer=True)

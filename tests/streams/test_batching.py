@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from streams.batching import MAX_EXPIRED_BATCH, BatchPolicy, MicroBatcher, ServiceTimes
+from streams.admit import CompletionModel
+from streams.batching import MAX_EXPIRED_BATCH, BatchPolicy, MicroBatcher
 
 
 class FakeClock:
@@ -21,13 +22,12 @@ class FakeClock:
 
 
 def policy(adaptive: bool = False, max_batch_size: int = 8, max_wait_s: float = 0.010):
+    # The pipeline's one service-time estimator, as the runner gives it.
     return BatchPolicy(
         max_batch_size=max_batch_size,
         max_wait_s=max_wait_s,
-        latency_budget_s=0.100,
         adaptive=adaptive,
-        stage_times=ServiceTimes(),
-        completion_times=ServiceTimes(),
+        service=CompletionModel(sessions=1),
     )
 
 
@@ -84,7 +84,7 @@ def test_a_backlog_past_its_deadline_leaves_in_one_large_batch():
 def test_deadline_pressure_releases_early():
     clock = FakeClock()
     p = policy(max_wait_s=1.0)
-    p.completion_times.observe(2, 0.030)  # a batch of 2 takes 30 ms to complete
+    p.service.rest.observe(2, 0.030, clock.mono)  # a batch of 2 takes 30 ms to complete
     b = batcher(p, clock)
     # The oldest event has 40 ms left: release within 10 ms, well before max_wait.
     b.put([1, 2], [clock.wall + 0.040, clock.wall + 0.090])
@@ -123,28 +123,21 @@ def test_empty_batcher_is_never_due():
 
 def test_adaptive_size_is_small_under_light_load_and_grows_under_heavy_load():
     p = policy(adaptive=True, max_batch_size=64)
+    now = 1000.0
     # Slowest stage: 2 ms fixed + 0.1 ms per event.
     for size in (1, 2, 4, 8, 16, 32, 64):
-        p.stage_times.observe(size, 0.002 + 0.0001 * size)
-    assert p.target_size(100) == 1  # 1 / 2.1 ms = 476/s, keeps up with 100/s
-    assert p.target_size(2_000) == 8  # 8 / 2.8 ms = 2857/s >= 1.25 * 2000
-    assert p.target_size(9_000) == 64  # nothing smaller keeps up
+        p.service.slowest_stages.observe(size, 0.002 + 0.0001 * size, now)
+    assert p.target_size(100, now) == 1  # 1 / 2.1 ms = 476/s, keeps up with 100/s
+    assert p.target_size(2_000, now) == 8  # 8 / 2.8 ms = 2857/s >= 1.25 * 2000
+    assert p.target_size(9_000, now) == 64  # nothing smaller keeps up
 
 
 def test_adaptive_size_before_any_measurement_is_one():
-    assert policy(adaptive=True).target_size(5_000) == 1
+    assert policy(adaptive=True).target_size(5_000, 1000.0) == 1
 
 
 def test_fixed_size_ignores_the_arrival_rate():
-    assert policy(adaptive=False, max_batch_size=32).target_size(1) == 32
-
-
-def test_service_times_scale_unmeasured_sizes_from_the_nearest_bucket():
-    times = ServiceTimes()
-    times.observe(8, 0.004)
-    assert times.estimate(8) == pytest.approx(0.004, abs=1e-6)
-    assert times.estimate(16) == pytest.approx(0.008, abs=1e-6)
-    assert ServiceTimes().estimate(3) == 0.0
+    assert policy(adaptive=False, max_batch_size=32).target_size(1, 1000.0) == 32
 
 
 async def test_next_batch_returns_a_full_batch_without_waiting():

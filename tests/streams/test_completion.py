@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streams.completion import CompletionModel, RecentTimes, SizedTimes
+from streams.admit import CompletionModel, RecentTimes, SizedTimes
 
 
 def test_sized_times_scale_from_the_nearest_measured_size():

@@ -80,8 +80,13 @@ def test_the_fallback_model_path_resolves_like_the_model_path(tmp_path):
          "default priority 3 has no budget share"),
         (lambda d: d["pipelines"][0].update(priority={"budget_shares": [1.0, 0.5]}),
          "pipelines.0.priority.budget_shares", "must not decrease"),
-        (lambda d: d["pipelines"][0].update(degradation={"default_score": 2}),
-         "pipelines.0.degradation.default_score", "less than or equal to 1"),
+        (lambda d: d["pipelines"][0].update(input={"event_id_field": "event_id"}),
+         "pipelines.0.input", "exactly one of `schema`"),
+        (lambda d: d["pipelines"][0].update(input={"schema": "t.avsc", "validate": {
+            "amount": {"min": 5, "max": 1}}}), "pipelines.0.input.validate.amount",
+         "min (5) is above max (1)"),
+        (lambda d: d["pipelines"][0]["model"].update(inputs=[{"name": "X", "dtype": "int8",
+            "columns": ["amount"]}]), "pipelines.0.model.inputs.0.dtype", "'float32'"),
     ],
 )  # fmt: skip
 def test_errors_name_file_and_field(tmp_path, edit, field, problem):

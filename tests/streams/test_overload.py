@@ -25,7 +25,7 @@ from models.synthetic import write_heavy_model
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from streams.worker import create_topics
+from streams.app import create_topics
 from tests.conftest import Deployment
 from tests.helpers import produce_events
 from tests.streams.test_worker import collector_for

@@ -11,27 +11,40 @@ import numpy as np
 import pytest
 
 from features.lookup import FeatureRows
-from models.session import ModelMetadata
+from models.signature import Column, ModelOutput, Signature, TensorInput
 from schemas.catalogue import LocalCatalogue, load_schema
 from schemas.codec import AvroDecoder, AvroEncoder
-from streams.admission import Estimates
+from schemas.validation import EventRules
+from streams import metrics
+from streams.admit import Admission, Estimates, Ladder, Tickets
 from streams.config import PipelineConfig
-from streams.pipeline import InputRecord, Pipeline
+from streams.decode import EventDecoder
+from streams.encode import AnswerEncoder
+from streams.infer import Model
+from streams.pipeline import Pipeline
+from streams.records import InputRecord
 from tools.deploy import sample_config
 
 NOW_S = 1_800_000_000.0
 STORE = ("user_stats__txn_count_7d",)
+FIELDS = [f["name"] for f in load_schema("transaction.avsc")["fields"]]
 
 
 class FakePool:
     def __init__(self, name: str, features: tuple[str, ...], score: float) -> None:
-        self.metadata = ModelMetadata(name, "1", features, (0.0,) * len(features), 0.5)
+        columns = tuple(Column(f, 0.0) for f in features)
+        output = ModelOutput("binary", "p", False, None, None, 0.5, 3)
+        self.signature = Signature(name, "1", (TensorInput("X", "float32", columns),), output)
         self.score = score
         self.rows = 0
+        self.warmup_seconds = {1: 0.001}
 
-    async def predict_timed(self, matrix: np.ndarray):
+    async def run_timed(self, feeds):
+        (matrix,) = feeds.values()
         self.rows += len(matrix)
-        return np.full(len(matrix), self.score, dtype=np.float32), 0.001
+        return self.signature.output.answers(
+            np.full((len(matrix), 2), self.score), len(matrix)
+        ), 0.001
 
 
 class FakeLookup:
@@ -50,27 +63,41 @@ class FakePublisher:
 
 
 def pipeline(
-    default_score: float | None = None, fallback: bool = True, **spec_overrides
+    default_score: float | None = None,
+    fallback: bool = True,
+    event_time_field=None,
+    **spec_overrides,
 ) -> tuple[Pipeline, dict]:
     raw = sample_config("k:9092", Path("repo"), Path("m.onnx"), default_score=default_score)
+    raw["pipelines"][0]["input"]["event_time_field"] = event_time_field
     spec = PipelineConfig.model_validate({**raw["pipelines"][0], **spec_overrides})
-    parts = {
-        "full": FakePool("full", ("amount", *STORE), 0.9),
-        "lite": FakePool("lite", ("amount",), 0.2) if fallback else None,
-        "publisher": FakePublisher(),
-    }
+    full = FakePool("full", ("amount", *STORE), 0.9)
+    lite = FakePool("lite", ("amount",), 0.2) if fallback else None
+    parts = {"full": full, "lite": lite, "publisher": FakePublisher()}
     catalogue = LocalCatalogue()
-    built = Pipeline(
-        spec,
-        AvroDecoder(catalogue, "transaction.avsc"),
-        AvroEncoder(catalogue, "prediction.avsc", "out-value"),
-        FakeLookup(),
-        parts["full"],
-        parts["publisher"],
-        [f["name"] for f in load_schema("transaction.avsc")["fields"]],
-        fallback=parts["lite"],
-        clock=lambda: NOW_S,
+    measure = metrics.PipelineMetrics(spec.name)
+    admission = Admission(
+        spec.latency_budget_ms / 1000, spec.priority.budget_shares,
+        Ladder(fallback_model=fallback, answer_cache=True,
+               default_answer=default_score is not None),
+    )  # fmt: skip
+    tickets = Tickets(
+        spec.latency_budget_ms / 1000, admission, spec.input.event_time_field,
+        spec.priority.header, spec.priority.field, spec.priority.default,
+    )  # fmt: skip
+    schema = load_schema("transaction.avsc")
+    decoder = EventDecoder(
+        AvroDecoder(catalogue, schema), EventRules(spec.input.validate_fields, schema), tickets,
+        measure, clock=lambda: NOW_S,
+    )  # fmt: skip
+    encoder = AnswerEncoder(
+        AvroEncoder(catalogue, "prediction.avsc", "out-value"), "out", spec.included_fields
     )
+    built = Pipeline(
+        spec, admission, FakeLookup(), Model(full, FIELDS, STORE), encoder, parts["publisher"],
+        measure, Model(lite, FIELDS, STORE) if lite else None, clock=lambda: NOW_S,
+    )  # fmt: skip
+    parts["decoder"] = decoder
     return built, parts
 
 
@@ -87,10 +114,11 @@ def records(ages_s: list[float], amount: float = 10.0, headers=(), **fields) -> 
 
 
 def run(built: Pipeline, parts: dict, batch: list[InputRecord], estimates: Estimates) -> list:
-    """One batch through the stages; the answers written, decoded."""
+    """One batch through the stages; the outcomes written, decoded (None: a dead letter)."""
 
     async def stages() -> None:
-        prepared = built.decode(batch)
+        items = await parts["decoder"].decode(batch, list(range(len(batch))))
+        prepared = built.prepare(items)
         built.route(prepared.admitted, estimates)
         await built.read_features(prepared)
         await built.infer(prepared)
@@ -99,7 +127,10 @@ def run(built: Pipeline, parts: dict, batch: list[InputRecord], estimates: Estim
     sent = len(parts["publisher"].records)
     asyncio.run(stages())
     decoder = AvroDecoder(LocalCatalogue(), "prediction.avsc")
-    return [decoder.decode(r.value) for r in parts["publisher"].records[sent:]]
+    return [
+        None if r.topic.endswith("dlq") else decoder.decode(r.value)
+        for r in parts["publisher"].records[sent:]
+    ]
 
 
 FAST = Estimates(full_s=lambda n: 0.010, fallback_s=0.002)
@@ -164,3 +195,15 @@ def test_deadlines_can_come_from_an_event_field():
     event_time_ms = int((NOW_S - 2.0) * 1000)
     (answer,) = run(built, parts, records([0.001], event_time_ms=event_time_ms), FAST)
     assert (answer["status"], answer["reason"]) == ("SHED", "deadline_passed")
+
+
+def test_an_invalid_event_is_dead_lettered_in_place_naming_the_rule():
+    built, parts = pipeline()
+    batch = records([0.010]) + records([0.010], amount=-5.0) + records([0.010])
+    first, dead, last = run(built, parts, batch, FAST)
+    assert dead is None and first["status"] == last["status"] == "OK"
+    letter = parts["publisher"].records[1]
+    headers = dict(letter.headers)
+    assert headers["headrace.error.reason"] == b"invalid_field"
+    assert headers["headrace.error.rule"] == b"amount.min"
+    assert letter.value == batch[1].value

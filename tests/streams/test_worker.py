@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from features.store import open_store
-from models.session import ModelSession
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
 from tests.helpers import PATIENT_BUDGET_MS, committed_lag, produce_events, produce_raw, wait_until
@@ -33,7 +35,7 @@ def served(kafka, sample_assets, tmp_path_factory):
     """One worker run over N valid events and one event per way of being malformed."""
     # `deploy` is function-scoped; build the module's deployment by hand with the same parts.
     from infra.topics import delete_topics
-    from streams.worker import create_topics
+    from streams.app import create_topics
     from tests.conftest import Deployment
     from tools.deploy import sample_config, write_config
 
@@ -129,33 +131,31 @@ def test_worker_keeps_serving_after_bad_input(served):
 
 
 def offline_scores(repo, spec, model_path, events: list[dict]) -> np.ndarray:
-    """The model run outside headrace on the event fields and Feast's own read."""
+    """The model run outside headrace (plain ONNX Runtime, its metadata read by hand) on
+    the event fields and Feast's own read."""
     store = open_store(repo)
-    model = ModelSession(model_path)
-    try:
-        response = store.get_online_features(
-            features=store.get_feature_service(spec.feature_service),
-            entity_rows=[
-                {"user_id": e["user_id"], "merchant_id": e["merchant_id"]} for e in events
-            ],
-            full_feature_names=True,
-        ).to_dict()
-        meta = model.metadata
-        matrix = np.array(
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    props = session.get_modelmeta().custom_metadata_map
+    names, defaults = json.loads(props["feature_names"]), json.loads(props["feature_defaults"])
+    response = store.get_online_features(
+        features=store.get_feature_service(spec.feature_service),
+        entity_rows=[{"user_id": e["user_id"], "merchant_id": e["merchant_id"]} for e in events],
+        full_feature_names=True,
+    ).to_dict()
+    matrix = np.array(
+        [
             [
-                [
-                    event[name]
-                    if name in event
-                    else (default if response[name][row] is None else response[name][row])
-                    for name, default in zip(meta.feature_names, meta.feature_defaults, strict=True)
-                ]
-                for row, event in enumerate(events)
-            ],
-            dtype=np.float32,
-        )
-        return model.predict(matrix)
-    finally:
-        model.close()
+                event[name]
+                if name in event
+                else (default if response[name][row] is None else response[name][row])
+                for name, default in zip(names, defaults, strict=True)
+            ]
+            for row, event in enumerate(events)
+        ],
+        dtype=np.float32,
+    )
+    _labels, probabilities = session.run(None, {session.get_inputs()[0].name: matrix})
+    return probabilities[:, 1]
 
 
 def test_scores_equal_the_model_run_offline_on_the_same_features(served, sample_assets):

@@ -8,17 +8,14 @@ import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from models.session import ModelMetadata
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from streams.pipeline import InputRecord, prediction
 from tests.helpers import produce_raw
 from tools.audit import audit, format_report
 from tools.cli import cli
 
 pytestmark = pytest.mark.integration
 
-META = ModelMetadata("m", "1", ("amount",), (0.0,), 0.5)
 TIMINGS = {"batch_size": 1, "decode_us": 0, "features_us": 0, "inference_us": 0}
 
 
@@ -31,9 +28,13 @@ def test_audit_reports_inputs_without_an_outcome_and_with_several(deploy, kafka)
     producer = Producer({"bootstrap.servers": bootstrap})
 
     def answer(offset: int, status: str = "OK") -> None:
-        record = InputRecord(spec.input_topic, 0, offset, 0, b"k", b"")
-        value = prediction({"event_id": f"e{offset}"}, record, META, 0.5, [], TIMINGS)
-        producer.produce(spec.output_topic, encoder.encode({**value, "status": status}), b"k")
+        value = {
+            "event_id": f"e{offset}", "input_topic": spec.input_topic, "input_partition": 0,
+            "input_offset": offset, "event_timestamp_ms": 0, "model_name": "m",
+            "model_version": "1", "score": 0.5, "label": False, "status": status,
+            "reason": None, "degraded_by": None, "missing_features": [], "timings": TIMINGS,
+        }  # fmt: skip
+        producer.produce(spec.output_topic, encoder.encode(value), b"k")
 
     answer(0)
     answer(1, "SHED")

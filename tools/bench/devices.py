@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from models.config import ModelConfig
 from models.pool import SessionPool
 from models.session import ModelSession
 
@@ -38,18 +39,19 @@ def run(model_path: Path, seconds_per_size: float = SECONDS_PER_SIZE) -> dict:
         "latency": {},
         "routing": None,
     }
-    cpu = ModelSession(model_path, "cpu", intra_op_threads=1)
-    cuda = ModelSession(model_path, "cuda", intra_op_threads=1)
+    config = ModelConfig(path=model_path)
+    cpu = ModelSession(config, "cpu")
+    cuda = ModelSession(config, "cuda")
     try:
         result["cuda_session_providers"] = cuda.providers
         result["cuda_usable"] = cuda.device == "cuda"
         sessions = {"cpu": cpu, **({"cuda": cuda} if result["cuda_usable"] else {})}
-        width = len(cpu.metadata.feature_names)
+        (model_input,) = cpu.signature.inputs
         rng = np.random.default_rng(0)
         for size in SIZES:
-            matrix = rng.random((size, width), dtype=np.float32)
+            feeds = {model_input.name: rng.random((size, len(model_input.columns)), np.float32)}
             result["latency"][size] = {
-                device: _timings(session, matrix, seconds_per_size)
+                device: _timings(session, feeds, seconds_per_size)
                 for device, session in sessions.items()
             }
     finally:
@@ -60,12 +62,12 @@ def run(model_path: Path, seconds_per_size: float = SECONDS_PER_SIZE) -> dict:
     return result
 
 
-def _timings(session: ModelSession, matrix: np.ndarray, seconds: float) -> dict[str, float]:
+def _timings(session: ModelSession, feeds: dict, seconds: float) -> dict[str, float]:
     runs = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(runs) < MIN_RUNS:
         started = time.perf_counter_ns()
-        session.predict(matrix)
+        session.run(feeds)
         runs.append((time.perf_counter_ns() - started) / 1000)
     p50, p99 = np.percentile(runs, [50, 99])
     return {"runs": len(runs), "p50_us": float(p50), "p99_us": float(p99)}
@@ -73,15 +75,16 @@ def _timings(session: ModelSession, matrix: np.ndarray, seconds: float) -> dict[
 
 async def _routing(model_path: Path) -> dict:
     """Where a pool of one CPU and one CUDA session sends small and large batches."""
-    pool = SessionPool(model_path, cpu_sessions=1, cuda_sessions=1, batch_sizes=(1, 1024))
+    config = ModelConfig(path=model_path, cpu_sessions=1, cuda_sessions=1)
+    pool = SessionPool(config, batch_sizes=(1, 1024))
     try:
-        width = len(pool.metadata.feature_names)
+        (model_input,) = pool.signature.inputs
         placed = {}
         for size in (ROUTING_SMALL, ROUTING_LARGE):
             before = [member["rows"] for member in pool.usage]
-            matrix = np.zeros((size, width), np.float32)
+            feeds = {model_input.name: model_input.zeros(size)}
             for _ in range(ROUTING_ROUNDS):
-                await pool.predict(matrix)
+                await pool.run_timed(feeds)
             placed[size] = {
                 member["device"]: (member["rows"] - rows) // size
                 for member, rows in zip(pool.usage, before, strict=True)

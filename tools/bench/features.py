@@ -19,7 +19,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from features.lookup import CacheSettings, FeatureLookup
+from features.config import FeatureCacheConfig
+from features.lookup import FeatureLookup
 from features.sample_data import SampleWorld, merchant_id, user_id
 from features.store import open_store, prepare_sample_store
 from infra.ports import free_port
@@ -88,11 +89,19 @@ def run(state_dir: Path, seconds_per_cell: float, echo=click.echo) -> dict:
                     features=service, entity_rows=distinct, full_feature_names=True
                 ).to_dict()
 
-            fast = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS, CacheSettings(0, 0))
+            fast = FeatureLookup(
+                store,
+                "fraud_scoring",
+                ENTITY_FIELDS,
+                FeatureCacheConfig(max_entries=0, max_staleness_s=0),
+            )
             for distribution in ("zipf", "uniform"):
                 sample = key_sampler(distribution, world, seed=3)
                 cached = FeatureLookup(
-                    store, "fraud_scoring", ENTITY_FIELDS, CacheSettings(200_000, 3600)
+                    store,
+                    "fraud_scoring",
+                    ENTITY_FIELDS,
+                    FeatureCacheConfig(max_entries=200_000, max_staleness_s=3600),
                 )
                 for _ in range(200):  # warm the cache with the same distribution
                     cached.read(sample(512))

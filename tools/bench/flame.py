@@ -29,14 +29,14 @@ STAGE_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("metrics", r"prometheus_client"),
         ("infer", r"onnxruntime|\(models/"),
         ("decode", r"\((schemas/codec\.py|schemas/validation\.py)|\bdecode \(|fastavro.*read"),
-        ("encode", r"\bencode \(|_encode \(|fastavro.*writ|\bprediction \("),
+        ("encode", r"\bencode \(|_outcomes \(|fastavro.*writ"),
         ("features", r"\(features/"),
-        ("publish", r"\(streams/publisher\.py|\bproduce \("),
+        ("publish", r"\(streams/publish\.py|\bproduce \("),
         ("ack/commit", r"\back\b|commit|store_offsets|_store_offsets"),
-        ("admit", r"\((streams/admission\.py|streams/completion\.py|streams/batching\.py)"),
+        ("admit", r"\((streams/admit\.py|streams/batching\.py)"),
         (
             "consume",
-            r"faust|aiokafka|mode/|\(streams/(bare|faust_feed|worker)\.py|\bconsume \(|"
+            r"faust|aiokafka|mode/|\(streams/consumers/|\bconsume \(|"
             r"\bpoll \(",
         ),
         ("event loop and hand-offs", r"asyncio|uvloop|threading|concurrent/futures|queue\.py"),

@@ -18,24 +18,27 @@ from confluent_kafka import Consumer, Producer
 
 from features.store import open_store
 from models.session import ModelSession
-from schemas.catalogue import LocalCatalogue
+from schemas.answer import answer_schema
+from schemas.catalogue import LocalCatalogue, read_schema_file
 from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import DecodeError
-from schemas.validation import validate_transaction
+from schemas.validation import EventRules
 from streams.config import load_config
-from streams.pipeline import InputRecord, prediction
 
 
 def main(config_path: str) -> None:
     config = load_config(Path(config_path))
     spec = config.pipelines[0]
     catalogue = LocalCatalogue()
-    decoder = AvroDecoder(catalogue, "transaction.avsc")
-    encoder = AvroEncoder(catalogue, "prediction.avsc", f"{spec.output_topic}-value")
+    schema = read_schema_file(spec.input.schema_path)
+    decoder = AvroDecoder(catalogue, schema)
+    rules = EventRules(spec.input.validate_fields, schema)
+    model = ModelSession(spec.model)
+    model_input = model.signature.inputs[0]
+    answers = answer_schema(schema, spec.included_fields, model.signature.output.task)
+    encoder = AvroEncoder(catalogue, answers, f"{spec.output_topic}-value")
     store = open_store(config.features.repo_path)
     service = store.get_feature_service(spec.feature_service)
-    model = ModelSession(spec.model.path, intra_op_threads=spec.model.intra_op_threads)
-    meta = model.metadata
     consumer = Consumer(
         {
             "bootstrap.servers": config.broker.bootstrap_servers,
@@ -53,7 +56,7 @@ def main(config_path: str) -> None:
             continue
         try:
             event = decoder.decode(message.value())
-            validate_transaction(event)
+            rules.check(event)
         except DecodeError:
             continue
         features = store.get_online_features(
@@ -61,22 +64,29 @@ def main(config_path: str) -> None:
             entity_rows=[{key: event[field] for key, field in spec.entity_fields.items()}],
             full_feature_names=True,
         ).to_dict()
-        row = [event[name] if name in event else features[name][0] for name in meta.feature_names]
         row = [
-            default if v is None else v
-            for v, default in zip(row, meta.feature_defaults, strict=True)
+            event[c.source] if c.source in event else features[c.source][0]
+            for c in model_input.columns
         ]
-        score = float(model.predict(np.array([row], dtype=np.float32))[0])
-        record = InputRecord(
-            message.topic(),
-            message.partition(),
-            message.offset(),
-            message.timestamp()[1],
-            message.key(),
-            message.value(),
+        row = [c.default if v is None else v for v, c in zip(row, model_input.columns, strict=True)]
+        (answer,) = model.run({model_input.name: np.array([row], dtype=np.float32)})
+        value = encoder.encode(
+            {
+                **{name: event[name] for name in spec.included_fields},
+                "input_topic": message.topic(),
+                "input_partition": message.partition(),
+                "input_offset": message.offset(),
+                "event_timestamp_ms": message.timestamp()[1],
+                "model_name": model.signature.name,
+                "model_version": model.signature.version,
+                **answer,
+                "status": "OK",
+                "reason": None,
+                "degraded_by": None,
+                "missing_features": [],
+                "timings": {"batch_size": 1, "decode_us": 0, "features_us": 0, "inference_us": 0},
+            }
         )
-        untimed = {"batch_size": 1, "decode_us": 0, "features_us": 0, "inference_us": 0}
-        value = encoder.encode(prediction(event, record, meta, score, [], untimed))
         producer.produce(spec.output_topic, value, message.key())
         producer.poll(0)
     producer.flush(30)

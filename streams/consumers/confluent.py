@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
+from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
-from streams.flow import InFlight
-from streams.pipeline import InputRecord, Pipeline
-from streams.runner import PipelineRunner
+from streams.records import InputRecord
+from streams.runner import MakeRunner, PipelineRunner
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,7 @@ log = logging.getLogger(__name__)
 class BareConsumer:
     """Consumes the pipelines' input topics and dispatches records to their runners."""
 
-    def __init__(
-        self,
-        config: HeadraceConfig,
-        pipelines: list[Pipeline],
-        make_runner: Callable[[Pipeline, InFlight, Callable], PipelineRunner],
-    ) -> None:
+    def __init__(self, config: HeadraceConfig, make_runner: MakeRunner) -> None:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": config.broker.bootstrap_servers,
@@ -55,18 +50,17 @@ class BareConsumer:
                 "fetch.min.bytes": config.broker.fetch_min_bytes,
             }
         )
-        self._max_chunk = max(p.config.max_batch_size for p in pipelines)
+        self._max_chunk = max(p.max_batch_size for p in config.pipelines)
         self._runners: dict[str, PipelineRunner] = {}
         # Per input topic, owned by the poll thread: records handed over, not yet acked.
         self._handed_over: dict[str, int] = {}
         self._bounds: dict[str, tuple[int, int]] = {}
         self._paused: set[str] = set()
-        for pipeline in pipelines:
-            spec = pipeline.config
+        for spec in config.pipelines:
             topic = spec.input_topic
             # The poll thread pauses fetching; this one keeps the metrics.
             in_flight = InFlight(spec.name, spec.max_in_flight, spec.resume_at)
-            self._runners[topic] = make_runner(pipeline, in_flight, self._store_offsets)
+            self._runners[topic] = make_runner(spec.name, in_flight, self._store_offsets)
             self._handed_over[topic] = 0
             self._bounds[topic] = (spec.max_in_flight, spec.resume_at)
         self._stopping = threading.Event()

@@ -1,4 +1,5 @@
-"""Publishing outcome records with confluent-kafka and awaiting their delivery.
+"""Publish: outcome records written with confluent-kafka, delivery awaited; and the
+dead-letter record of an input that cannot be answered.
 
 librdkafka delivers in its own threads and reports through callbacks served by
 `poll()`; one thread owned by the publisher polls. A batch's callbacks count down in
@@ -9,14 +10,19 @@ it. Idempotence keeps records of one partition in order across retries.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import KafkaException, Producer
 
+from schemas.errors import DecodeError
+from schemas.validation import InvalidEventError
 from streams.errors import PublishError
+from streams.records import InputRecord, OutRecord
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PRODUCER_CONFIG: dict[str, Any] = {
     "enable.idempotence": True,
@@ -27,12 +33,22 @@ DEFAULT_PRODUCER_CONFIG: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class OutRecord:
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]] = field(default_factory=list)
+def dead_letter(record: InputRecord, error: DecodeError, pipeline: str, topic: str) -> OutRecord:
+    """The input's own key and bytes, with why and where it came from in headers."""
+    log.warning(
+        "dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, error
+    )
+    headers = [
+        ("headrace.error.reason", error.reason.encode()),
+        ("headrace.error.message", str(error).encode()),
+        ("headrace.pipeline", pipeline.encode()),
+        ("headrace.input.topic", record.topic.encode()),
+        ("headrace.input.partition", str(record.partition).encode()),
+        ("headrace.input.offset", str(record.offset).encode()),
+    ]
+    if isinstance(error, InvalidEventError):
+        headers.append(("headrace.error.rule", f"{error.field}.{error.rule}".encode()))
+    return OutRecord(topic, record.key, record.value, headers)
 
 
 class Publisher:

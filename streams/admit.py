@@ -1,0 +1,342 @@
+"""Admission: each event's deadline and priority, which events the full model may still
+answer on time, and how the rest are answered (the degradation ladder).
+
+An event's deadline is its event time (the configured field, else its Kafka timestamp)
+plus the pipeline's latency budget, computed once when it is decoded (`Tickets`); the
+batcher and admission both use that one value. Before any feature or model work is
+spent on a batch, and again before inference, the runner asks `Admission.decide` with
+an estimate of how long the rest of the path takes (`CompletionModel`: the model work
+already admitted ahead, the batch's own run, the rest of the path), the same estimator
+that tells the batcher when a batch must leave. An event that cannot be answered in
+full goes down the ladder, in order:
+
+    fallback model  ->  cached answer  ->  default answer  ->  shed record
+
+The fallback model costs inference time, so it must still meet the deadline too; a
+cached or default answer costs nothing. Priorities: an event of priority `p` may use
+only `budget_shares[p]` of the budget, so under load the queue ahead of the model grows
+past what low priorities may wait and they degrade first, while high priorities keep
+their full budget. Pure logic with the clock passed in: tested without a broker.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from bisect import bisect_left, insort
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from streams.batching import scaled_from_nearest, size_bucket
+from streams.records import InputRecord
+
+
+class Route(enum.Enum):
+    """How one event is answered; `status` and `level` are what its outcome says."""
+
+    FULL = ("OK", None)
+    FALLBACK = ("DEGRADED", "fallback_model")
+    CACHED = ("DEGRADED", "cache")
+    DEFAULT = ("DEGRADED", "default")
+    SHED = ("SHED", None)
+
+    def __init__(self, status: str, level: str | None) -> None:
+        self.status = status
+        self.level = level
+
+
+# Why an event was not answered in full (the outcome's `reason`).
+DEADLINE_PASSED = "deadline_passed"
+"""Its deadline had already passed when it was considered (it waited in Kafka)."""
+DEADLINE_AT_RISK = "deadline_at_risk"
+"""The estimated completion of the full path lies beyond its deadline."""
+LOW_PRIORITY = "low_priority"
+"""It would have met its deadline, but not within the share of the budget its priority gets."""
+REASONS = (DEADLINE_PASSED, DEADLINE_AT_RISK, LOW_PRIORITY)
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """Which rungs below the full model a pipeline has configured."""
+
+    fallback_model: bool = False
+    answer_cache: bool = False
+    default_answer: bool = False
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """Conservative seconds from now until a batch's answers are written."""
+
+    full_s: Callable[[int], float]
+    """For a batch with this many events for the full model."""
+    fallback_s: float
+    """For a batch without full-model work (the fallback model's path)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: Route
+    reason: str | None
+    """None for FULL; otherwise one of `REASONS`."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What admission needs to know of one event."""
+
+    deadline_s: float
+    priority: int
+    """In range (see `Admission.clamp`)."""
+    cached: bool
+    """Whether the answer cache holds a fresh answer for its input."""
+
+
+# Share of the budget admission keeps in hand for what its estimates cannot see: the
+# consumer reading the answer, stalls of the event loop, the machine or the broker.
+MARGIN_SHARE = 0.05
+
+
+class Admission:
+    def __init__(
+        self,
+        budget_s: float,
+        budget_shares: Sequence[float],
+        ladder: Ladder,
+        margin_share: float = MARGIN_SHARE,
+    ) -> None:
+        if not budget_shares or not all(0 < share <= 1 for share in budget_shares):
+            raise ValueError(f"budget shares must be in (0, 1], got {list(budget_shares)}")
+        self.budget_s = budget_s
+        self.ladder = ladder
+        self._margin_s = budget_s * margin_share
+        # Seconds an event of each priority must keep in hand before its deadline.
+        self._reserve_s = [budget_s * (1 - share) + self._margin_s for share in budget_shares]
+
+    @property
+    def top_priority(self) -> int:
+        return len(self._reserve_s) - 1
+
+    def clamp(self, priority: int) -> int:
+        return min(max(priority, 0), self.top_priority)
+
+    def decide(
+        self, candidates: Sequence[Candidate], now_s: float, estimates: Estimates
+    ) -> list[Decision]:
+        """The route of each event of one batch, in the batch's order.
+
+        Each event the full model takes makes the batch slower for all of them, so an
+        event is taken only if every event taken so far, and itself, can still finish
+        in time with one more in the batch.
+        """
+        decisions = []
+        taken = 0
+        tightest_s = math.inf  # the least usable time among the events taken
+        for candidate in candidates:
+            left_s = candidate.deadline_s - now_s
+            usable_s = left_s - self._reserve_s[candidate.priority]
+            needed_s = estimates.full_s(taken + 1)
+            if min(usable_s, tightest_s) >= needed_s:
+                taken += 1
+                tightest_s = min(tightest_s, usable_s)
+                decisions.append(Decision(Route.FULL, None))
+                continue
+            if left_s <= 0:
+                reason = DEADLINE_PASSED
+            elif min(left_s - self._margin_s, tightest_s) >= needed_s:
+                reason = LOW_PRIORITY
+            else:
+                reason = DEADLINE_AT_RISK
+            route = self._degrade(usable_s, estimates.fallback_s, candidate.cached)
+            decisions.append(Decision(route, reason))
+        return decisions
+
+    def _degrade(self, usable_s: float, fallback_s: float, cached: bool) -> Route:
+        """The first rung of the ladder that can answer, given the seconds left to use."""
+        if self.ladder.fallback_model and usable_s >= fallback_s:
+            return Route.FALLBACK
+        if self.ladder.answer_cache and cached:
+            return Route.CACHED
+        if self.ladder.default_answer:
+            return Route.DEFAULT
+        return Route.SHED
+
+
+class Tickets:
+    """An event's deadline and priority, from its record and its decoded fields."""
+
+    def __init__(
+        self,
+        budget_s: float,
+        admission: Admission,
+        event_time_field: str | None,
+        priority_header: str | None,
+        priority_field: str | None,
+        default_priority: int,
+    ) -> None:
+        self._budget_s = budget_s
+        self._admission = admission
+        self._time_field = event_time_field
+        self._header = priority_header
+        self._field = priority_field
+        self._default = default_priority
+
+    def deadline_s(self, record: InputRecord, event: Mapping[str, Any] | None) -> float:
+        """Event time plus the budget; the Kafka timestamp where there is no event time
+        (no field configured, a null value, or an input that did not decode)."""
+        event_time_ms = None
+        if self._time_field is not None and event is not None:
+            event_time_ms = event.get(self._time_field)
+        if event_time_ms is None:
+            event_time_ms = record.timestamp_ms
+        return event_time_ms / 1000 + self._budget_s
+
+    def priority(self, record: InputRecord, event: Mapping[str, Any]) -> int:
+        value: Any = None
+        if self._header is not None:
+            for name, raw in record.headers:
+                if name == self._header:
+                    value = raw
+        if value is None and self._field is not None:
+            value = event.get(self._field)
+        try:
+            return self._admission.clamp(int(value))
+        except (TypeError, ValueError):  # absent or not a number
+            return self._default
+
+
+class RecentTimes:
+    """A high quantile of the durations measured in the last `window_s` seconds.
+
+    Deadlines need a bound, not a mean: an event admitted with a mean estimate misses
+    its deadline half the time when it is admitted at the edge, which is exactly
+    where overload puts it. The window also forgets: a stall does not keep shedding
+    long after it ended, and with nothing measured lately the estimate is 0, so the
+    next batch takes the full path and measures it again.
+    """
+
+    def __init__(self, window_s: float = 2.0, quantile: float = 0.99, max_samples: int = 128):
+        self.window_s = window_s
+        self.quantile = quantile
+        self._max_samples = max_samples
+        self._samples: deque[tuple[float, float]] = deque()
+        # The same durations kept sorted, so that a bound is one index: it is asked for
+        # several times per batch, and sorting per ask cost more than the batch's work.
+        self._sorted: list[float] = []
+
+    def observe(self, seconds: float, now_s: float) -> None:
+        if len(self._samples) == self._max_samples:
+            self._forget()
+        self._samples.append((now_s, seconds))
+        insort(self._sorted, seconds)
+
+    def bound(self, now_s: float) -> float:
+        """The quantile of recent durations; 0 when nothing was measured in the window."""
+        horizon = now_s - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._forget()
+        if not self._sorted:
+            return 0.0
+        rank = math.ceil(self.quantile * len(self._sorted)) - 1
+        return self._sorted[min(len(self._sorted) - 1, rank)]
+
+    def _forget(self) -> None:
+        _, seconds = self._samples.popleft()
+        del self._sorted[bisect_left(self._sorted, seconds)]
+
+
+class SizedTimes:
+    """`RecentTimes` per batch-size bucket (powers of two). A size without recent
+    measurements is scaled linearly from the nearest bucket that has some."""
+
+    def __init__(self, window_s: float = 2.0, quantile: float = 0.99) -> None:
+        self._window_s = window_s
+        self._quantile = quantile
+        self._buckets: dict[int, RecentTimes] = {}
+
+    def observe(self, size: int, seconds: float, now_s: float) -> None:
+        bucket = size_bucket(size)
+        times = self._buckets.get(bucket)
+        if times is None:
+            times = self._buckets[bucket] = RecentTimes(self._window_s, self._quantile)
+        times.observe(seconds, now_s)
+
+    def bounds(self, now_s: float) -> Callable[[int], float]:
+        """Seconds for a batch of a given size, as of `now_s` (0 when nothing was
+        measured lately). Computed once here: admission asks it for every event."""
+        measured = {b: t.bound(now_s) for b, t in self._buckets.items()}
+        measured = {b: seconds for b, seconds in measured.items() if seconds > 0}
+        return lambda size: scaled_from_nearest(measured, size)
+
+
+class CompletionModel:
+    """When would a batch admitted now be answered? Its wait for the full-model work
+    admitted before it, its own run, and the rest of its path (decode, features, publish).
+
+    Measured queueing would lag and feed on itself (a slow spell makes admission shed,
+    so nothing is measured that could show it ended); here only service times are
+    measured (a high quantile of the recent ones, per batch size) and the work ahead is
+    counted: `reserve` when a batch is admitted, `release` when its model run ends.
+    Service times are properties of the model and the machine, so they are remembered
+    for a while (`window_s`): a quiet spell must not leave the next burst unestimated.
+    """
+
+    def __init__(self, sessions: int, window_s: float = 30.0, quantile: float = 0.95) -> None:
+        self._sessions = max(sessions, 1)
+        self.full_runs = SizedTimes(window_s, quantile)
+        """Seconds of one full-model run, by batch size."""
+        self.fallback_runs = RecentTimes(window_s, quantile)
+        self.rest = SizedTimes(window_s, quantile)
+        """Seconds a batch spends outside the model runs (decode, features, publish), by
+        its size: a backlog's large batches of cheap answers must not count for small ones."""
+        self.slowest_stages = SizedTimes(window_s, quantile)
+        """Seconds of a batch's slowest stage, by its size: what bounds throughput while
+        the stages of successive batches overlap (the batcher's adaptive size)."""
+        self._ahead_s = 0.0
+        self._first_full_runs = SizedTimes(math.inf, quantile)
+        self._first_fallback_run_s = 0.0
+
+    def seed(self, full_runs: dict[int, float], fallback_run_s: float = 0.0) -> None:
+        """Run times to use while nothing has been measured (the models' warm-up runs:
+        on an idle machine, so optimistic, but better than none)."""
+        for size, seconds in full_runs.items():
+            self._first_full_runs.observe(size, seconds, 0.0)
+        self._first_fallback_run_s = fallback_run_s
+
+    def estimates(self, now_s: float, batch_size: int, own_reservation_s: float = 0.0) -> Estimates:
+        """For a batch of `batch_size` entering now; pass its own reservation once it
+        holds one."""
+        run = self._full_run_bounds(now_s)
+        fallback_run_s = self.fallback_runs.bound(now_s) or self._first_fallback_run_s
+        wait_s = max(0.0, self._ahead_s - own_reservation_s) / self._sessions
+        rest_s = self.rest.bounds(now_s)(batch_size)
+        return Estimates(
+            full_s=lambda n: wait_s + run(n) + rest_s,
+            fallback_s=wait_s + fallback_run_s + rest_s,
+        )
+
+    def completion_s(self, batch_size: int, now_s: float) -> float:
+        """For the batcher: seconds until a batch of this size released now is answered."""
+        return self.estimates(now_s, batch_size).full_s(batch_size)
+
+    def stage_bounds(self, now_s: float) -> Callable[[int], float]:
+        """For the batcher: seconds of the slowest stage of a batch, by its size."""
+        return self.slowest_stages.bounds(now_s)
+
+    def reserve(self, full_events: int, now_s: float) -> float:
+        """Count a batch's full-model work as ahead of later batches; returns the
+        reservation to `release` when its run ends."""
+        seconds = self._full_run_bounds(now_s)(full_events) if full_events else 0.0
+        self._ahead_s += seconds
+        return seconds
+
+    def _full_run_bounds(self, now_s: float) -> Callable[[int], float]:
+        run = self.full_runs.bounds(now_s)
+        if run(1) == 0.0:  # nothing measured lately: the warm-up runs stand in
+            run = self._first_full_runs.bounds(now_s)
+        return run
+
+    def release(self, reservation_s: float) -> None:
+        self._ahead_s = max(0.0, self._ahead_s - reservation_s)

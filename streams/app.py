@@ -1,0 +1,313 @@
+"""Wires a worker together: config -> pipelines (schemas, features, models, codecs,
+stages) -> runners -> a consumer runtime. The only module that does.
+
+A batch that cannot be written ends the process at once (`os._exit`), so nothing
+unwritten is ever committed; Kafka replays it to the next worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from features.lookup import FeatureLookup
+from features.store import open_store
+from infra.topics import ensure_topics
+from models.pool import SessionPool, warmup_sizes
+from models.session import load_session, signature_of
+from models.signature import Signature
+from schemas.catalogue import LocalCatalogue, SchemaCatalogue, open_catalogue, read_schema_file
+from schemas.codec import AvroDecoder, AvroEncoder
+from schemas.errors import HeadraceError
+from schemas.validation import EventRules
+from streams import metrics
+from streams.admit import Admission, Ladder, Tickets
+from streams.backpressure import InFlight
+from streams.config import HeadraceConfig, PipelineConfig
+from streams.decode import EventDecoder
+from streams.encode import AnswerEncoder, derived_schema
+from streams.errors import ConfigError
+from streams.infer import Model
+from streams.pipeline import Pipeline
+from streams.publish import Publisher
+from streams.records import InputRecord
+from streams.runner import AckBatch, PipelineRunner
+
+log = logging.getLogger(__name__)
+
+# Exit status of a worker that stopped because a batch could not be written.
+EXIT_BATCH_FAILED = 70
+
+
+def input_schema(spec: PipelineConfig, catalogue: SchemaCatalogue) -> dict[str, Any]:
+    """The reader schema of a pipeline's events: its `.avsc`, or the latest version of
+    its subject in the registry. Blocks on the registry."""
+    if spec.input.schema_path is not None:
+        schema = read_schema_file(spec.input.schema_path)
+    elif hasattr(catalogue, "latest"):
+        schema = catalogue.latest(spec.input.subject)
+    else:
+        raise ConfigError(
+            f"pipeline {spec.name}: input.subject needs a registry; set registry.url, or "
+            "give input.schema (an .avsc file)"
+        )
+    if isinstance(catalogue, LocalCatalogue):
+        # Without a registry, producers frame events with the schema's computed id.
+        catalogue.id_for(f"{spec.input_topic}-value", schema)
+    return schema
+
+
+def check_fields(spec: PipelineConfig, fields: Sequence[str]) -> list[str]:
+    """Problems with the fields the config names, against the input schema's fields."""
+    named = [
+        ("input.event_id_field", spec.input.event_id_field),
+        ("input.event_time_field", spec.input.event_time_field),
+        ("priority.field", spec.priority.field),
+        *((f"entity_fields.{key}", field) for key, field in spec.entity_fields.items()),
+    ]
+    return [
+        f"pipeline {spec.name}: {role} {name!r} is not a field of the input schema "
+        f"(fields: {list(fields)})"
+        for role, name in named
+        if name is not None and name not in fields
+    ]
+
+
+def answer_schema_of(spec: PipelineConfig, catalogue: SchemaCatalogue) -> dict[str, Any]:
+    """A pipeline's derived answer schema, from its input schema and its model's task
+    (loads the model, without warm-up). Blocks on the registry."""
+    task = signature_of(spec.model, load_session(spec.model)).output.task
+    return derived_schema(spec, input_schema(spec, catalogue), task)
+
+
+@dataclass
+class Inspection:
+    """A pipeline's parts as loaded without Kafka, and every problem found on the way:
+    what `headrace check` prints and what a worker refuses to start with."""
+
+    spec: PipelineConfig
+    problems: list[str] = field(default_factory=list)
+    schema: dict[str, Any] | None = None
+    rules: EventRules | None = None
+    lookup: FeatureLookup | None = None
+    signature: Signature | None = None
+    fallback: Signature | None = None
+    answers: dict[str, Any] | None = None
+    """The derived answer schema."""
+
+    @property
+    def fields(self) -> list[str]:
+        return [f["name"] for f in self.schema["fields"]] if self.schema else []
+
+    @property
+    def feature_refs(self) -> list[str]:
+        return self.lookup.feature_refs if self.lookup is not None else []
+
+
+def inspect_pipeline(
+    spec: PipelineConfig, catalogue: SchemaCatalogue, store: Any, resources: ExitStack
+) -> Inspection:
+    """Load the schema, feature service and models' signatures of a pipeline (blocks on
+    the registry and the store; no warm-up), checking each against the others."""
+    found = Inspection(spec)
+
+    def attempt(step: Callable[[], Any]) -> Any:
+        try:
+            return step()
+        except HeadraceError as exc:
+            found.problems.append(str(exc))
+            return None
+
+    found.schema = attempt(lambda: input_schema(spec, catalogue))
+    if found.schema is not None:
+        found.problems += check_fields(spec, found.fields)
+        found.rules = attempt(lambda: EventRules(spec.input.validate_fields, found.schema))
+    if spec.feature_service is not None:
+        found.lookup = attempt(lambda: FeatureLookup(
+            store, spec.feature_service, spec.entity_fields, spec.feature_cache))  # fmt: skip
+        if found.lookup is not None:
+            resources.callback(found.lookup.close)
+    found.signature = attempt(lambda: signature_of(spec.model, load_session(spec.model)))
+    fallback = spec.degradation.fallback_model
+    if fallback is not None:
+        found.fallback = attempt(lambda: signature_of(fallback, load_session(fallback)))
+    for signature in (found.signature, found.fallback):
+        if signature is not None and found.schema is not None:
+            found.problems += signature.source_problems(found.fields, found.feature_refs)
+    if found.signature is not None and found.schema is not None:
+        task = found.signature.output.task
+        found.answers = attempt(lambda: derived_schema(spec, found.schema, task))
+    return found
+
+
+@dataclass
+class Wired:
+    """One pipeline's parts, as its runner needs them."""
+
+    pipeline: Pipeline
+    decoder: EventDecoder
+    sessions: int
+
+
+def wire_pipeline(
+    spec: PipelineConfig,
+    catalogue: SchemaCatalogue,
+    store: Any,
+    publisher: Publisher,
+    resources: ExitStack,
+) -> Wired:
+    """Open a pipeline's schema, features, models and codecs; blocks while models warm
+    up. Raises ConfigError listing everything that does not fit."""
+    found = inspect_pipeline(spec, catalogue, store, resources)
+    if found.problems:
+        raise ConfigError(f"pipeline {spec.name} cannot start:\n  " + "\n  ".join(found.problems))
+    fields, refs = found.fields, found.feature_refs
+    model = _model(spec.model, spec, fields, refs, resources)
+    fallback = None
+    if spec.degradation.fallback_model is not None:
+        fallback = _model(spec.degradation.fallback_model, spec, fields, refs, resources)
+    codec = AvroEncoder(catalogue, found.answers, f"{spec.output_topic}-value")
+    measure = metrics.PipelineMetrics(spec.name)
+    degradation = spec.degradation
+    budget_s = spec.latency_budget_ms / 1000
+    admission = Admission(
+        budget_s,
+        spec.priority.budget_shares,
+        Ladder(
+            fallback_model=fallback is not None,
+            answer_cache=degradation.answer_cache.max_entries > 0,
+            default_answer=degradation.default_score is not None,
+        ),
+    )
+    tickets = Tickets(
+        budget_s, admission, spec.input.event_time_field, spec.priority.header,
+        spec.priority.field, spec.priority.default,
+    )  # fmt: skip
+    decoder = EventDecoder(AvroDecoder(catalogue, found.schema), found.rules, tickets, measure)
+    encoder = AnswerEncoder(codec, spec.output_topic, spec.included_fields)
+    pipeline = Pipeline(spec, admission, found.lookup, model, encoder, publisher, measure, fallback)
+    log.info(
+        "pipeline %s: %s -> %s (answers: schema id %d), model %s v%s (%s), sessions %s, "
+        "fallback %s",
+        spec.name, spec.input_topic, spec.output_topic, codec.schema_id, model.signature.name,
+        model.signature.version, model.signature.output.task, model.pool.providers,
+        f"{fallback.signature.name} v{fallback.signature.version}" if fallback else "none",
+    )  # fmt: skip
+    sessions = spec.model.cpu_sessions + spec.model.cuda_sessions
+    return Wired(pipeline, decoder, sessions)
+
+
+def _model(config, spec: PipelineConfig, fields, refs, resources: ExitStack) -> Model:
+    pool = SessionPool(config, warmup_sizes(spec.max_batch_size))
+    resources.callback(pool.close)
+    return Model(pool, fields, refs)
+
+
+def open_store_for(config: HeadraceConfig) -> Any:
+    """The Feast store, where some pipeline reads features (None otherwise)."""
+    needs_store = any(spec.feature_service for spec in config.pipelines)
+    return open_store(config.features.repo_path) if needs_store else None
+
+
+def wire_pipelines(
+    config: HeadraceConfig, publisher: Publisher, resources: ExitStack
+) -> dict[str, Wired]:
+    catalogue = open_catalogue(config.registry.url if config.registry else None)
+    store = open_store_for(config)
+    return {
+        spec.name: wire_pipeline(spec, catalogue, store, publisher, resources)
+        for spec in config.pipelines
+    }
+
+
+def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoReturn:
+    """Log the batch that could not be written and end the process without committing it."""
+    where = (
+        f" from {records[0].topic}[{records[0].partition}]@{records[0].offset}" if records else ""
+    )
+    log.critical(
+        "giving up on a batch of %d%s: %r. Exiting without committing it; "
+        "a restarted worker answers it again.",
+        len(records),
+        where,
+        error,
+        exc_info=error,
+    )
+    logging.shutdown()
+    os._exit(EXIT_BATCH_FAILED)
+
+
+def check_topics(config: HeadraceConfig) -> None:
+    """Fail early, naming the topic, when an input or output topic does not exist."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": config.broker.bootstrap_servers})
+    try:
+        existing = admin.list_topics(timeout=15).topics
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot reach Kafka at {config.broker.bootstrap_servers}: {exc}"
+        ) from exc
+    for spec in config.pipelines:
+        for topic in (spec.input_topic, spec.output_topic, spec.dead_letter_topic):
+            if topic not in existing:
+                raise ConfigError(
+                    f"pipeline {spec.name}: topic {topic!r} does not exist; "
+                    "hint: `headrace topics create -c CONFIG`"
+                )
+
+
+def create_topics(config: HeadraceConfig, partitions: int) -> list[str]:
+    wanted = {}
+    for spec in config.pipelines:
+        wanted[spec.input_topic] = partitions
+        wanted[spec.output_topic] = partitions
+        wanted[spec.dead_letter_topic] = 1
+    return ensure_topics(config.broker.bootstrap_servers, wanted)
+
+
+def _stop_while_starting(_signum, _frame) -> NoReturn:
+    log.info("stopped while starting: nothing was consumed")
+    raise SystemExit(0)
+
+
+def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
+    """Run until SIGTERM or SIGINT; on a clean stop every answered input is committed."""
+    # Until a runtime installs its own handlers nothing was consumed: a stop is clean.
+    signal.signal(signal.SIGTERM, _stop_while_starting)
+    check_topics(config)
+    if config.event_loop == "uvloop":
+        import uvloop
+
+        # Before anything asks for a loop: Faust and the bare runtime both take the policy's.
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    logging.getLogger().setLevel({"warn": "WARNING"}.get(log_level, log_level.upper()))
+    with ExitStack() as resources:
+        publisher = Publisher(config.broker.bootstrap_servers)
+        publisher.start()
+        resources.callback(publisher.stop)
+        wired = wire_pipelines(config, publisher, resources)
+        metrics.serve_metrics(config.metrics.port)
+        log.info("headrace worker ready: %d pipeline(s), %s runtime", len(wired), config.runtime)
+
+        def make_runner(name: str, in_flight: InFlight, ack: AckBatch) -> PipelineRunner:
+            parts = wired[name]
+            return PipelineRunner(
+                parts.pipeline, parts.decoder, in_flight, ack, exit_on_fatal,
+                concurrent_inference=parts.sessions,
+            )  # fmt: skip
+
+        if config.runtime == "bare":
+            from streams.consumers.confluent import BareConsumer
+
+            asyncio.run(BareConsumer(config, make_runner).serve())
+            return
+        from streams.consumers import faust
+
+        faust.serve(config, make_runner, log_level)

@@ -1,0 +1,102 @@
+"""The Faust runtime: one agent per pipeline, fed a fetch at a time.
+
+Faust consumes (group membership, partitions, fetching, committing acked offsets);
+each agent takes its input topic's records a fetch at a time (`faust_feed.py`: Faust's
+own per-record delivery cost more than the whole pipeline) and hands them to its
+pipeline's `PipelineRunner`, which acknowledges each record through Faust's consumer
+once its outcome is written; Faust commits only acknowledged offsets. Faust's own
+`concurrency` must stay 1 per agent: more can commit past unprocessed offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+
+import faust
+
+from streams.backpressure import InFlight
+from streams.config import HeadraceConfig
+from streams.consumers.faust_feed import FeedApp
+from streams.records import InputRecord
+from streams.runner import MakeRunner
+
+
+def serve(config: HeadraceConfig, make_runner: MakeRunner, log_level: str) -> None:
+    """Run a Faust worker until SIGTERM or SIGINT (Faust handles both)."""
+    app = FeedApp(
+        config.app_id,
+        fetch=(config.broker.fetch_max_wait_ms, config.broker.fetch_min_bytes),
+        broker=f"kafka://{config.broker.bootstrap_servers}",
+        store="memory://",
+        datadir=tempfile.mkdtemp(prefix="headrace-faust-"),
+        web_enabled=False,
+        topic_disable_leader=True,
+        topic_allow_declare=False,
+        consumer_auto_offset_reset="earliest",
+        broker_commit_interval=1.0,
+        # A fetch is handed to an agent whole: its size bounds how far a chunk can go
+        # past the in-flight bound (as the confluent runtime's chunk does).
+        broker_max_poll_records=max(p.max_batch_size for p in config.pipelines),
+    )
+    for spec in config.pipelines:
+        _add_agent(app, spec.name, spec.input_topic, spec.max_in_flight, spec.resume_at,
+                   make_runner)  # fmt: skip
+    worker = faust.Worker(app, loglevel=log_level, quiet=True)
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            raise
+
+
+def _add_agent(
+    app: FeedApp, name: str, input_topic: str, high: int, low: int, make_runner: MakeRunner
+) -> None:
+    topic = app.topic(
+        input_topic, key_type=bytes, value_type=bytes, key_serializer="raw",
+        value_serializer="raw",
+    )  # fmt: skip
+    # At the bound the agent stops taking chunks; its feed fills, Faust's fetch loop
+    # waits on it and fetching stops (bounded by aiokafka's own buffer).
+    in_flight = InFlight(name, high=high, low=low)
+
+    def ack(messages: list) -> None:
+        # The outcomes are written: Faust may now commit these offsets.
+        consumer_ack = app.consumer.ack
+        for message in messages:
+            consumer_ack(message)
+
+    runner = make_runner(name, in_flight, ack)
+    app.add_feed(topic)
+
+    async def consume(_stream) -> None:
+        # The agent's stream stays unused: records arrive a fetch at a time on the feed.
+        await runner.start()
+        try:
+            while True:
+                messages = await app.take(input_topic)
+                runner.submit([_input_record(message) for message in messages], messages)
+                # At the bound: take nothing more until drained to the low-water mark.
+                await in_flight.wait_resumed()
+        except asyncio.CancelledError:
+            # Shutting down: write and ack what was taken before Faust commits.
+            await runner.drain()
+            raise
+        finally:
+            await runner.stop()
+
+    app.agent(topic, name=f"headrace.{name}", concurrency=1)(consume)
+
+
+def _input_record(message) -> InputRecord:
+    return InputRecord(
+        topic=message.topic,
+        partition=message.partition,
+        offset=message.offset,
+        # Faust reports the Kafka timestamp in (float) seconds.
+        timestamp_ms=round(message.timestamp * 1000),
+        key=message.key,
+        value=message.value,
+        headers=message.headers or (),
+    )

@@ -1,0 +1,74 @@
+"""Declarative validation rules: each rule refuses what it should and names itself; rules
+that do not fit the schema are refused when compiled."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.catalogue import load_schema
+from schemas.config import FieldRules, InputConfig
+from schemas.errors import SchemaFileError
+from schemas.validation import EventRules, InvalidEventError
+
+EVENT = {
+    "event_id": "e-1",
+    "user_id": "u0000001",
+    "merchant_id": "m000001",
+    "amount": 12.5,
+    "hour_of_day": 3,
+    "is_online": True,
+    "event_time_ms": 1_700_000_000_000,
+    "priority": None,
+}
+TRANSACTION = load_schema("transaction.avsc")
+
+
+def rules(validate: dict) -> EventRules:
+    config = InputConfig.model_validate({"schema": "t.avsc", "validate": validate})
+    return EventRules(config.validate_fields, TRANSACTION)
+
+
+@pytest.mark.parametrize(
+    ("validate", "change", "rule"),
+    [
+        ({"user_id": ["non_empty"]}, {"user_id": ""}, "user_id.non_empty"),
+        ({"amount": {"min": 0}}, {"amount": -1.0}, "amount.min"),
+        ({"amount": {"min": 0}}, {"amount": float("nan")}, "amount.min"),
+        ({"amount": {"finite": True}}, {"amount": float("inf")}, "amount.finite"),
+        ({"hour_of_day": {"max": 23}}, {"hour_of_day": 24}, "hour_of_day.max"),
+        ({"priority": ["required"]}, {"priority": None}, "priority.required"),
+        ({"merchant_id": {"one_of": ["m1", "m2"]}}, {}, "merchant_id.one_of"),
+    ],
+)
+def test_a_failing_rule_is_named(validate, change, rule):
+    with pytest.raises(InvalidEventError) as caught:
+        rules(validate).check({**EVENT, **change})
+    assert caught.value.reason == "invalid_field"
+    assert f"{caught.value.field}.{caught.value.rule}" == rule
+    assert rule.split(".")[1] in str(caught.value)
+
+
+def test_a_valid_event_passes_every_rule():
+    rules(
+        {
+            "event_id": ["required", "non_empty"],
+            "amount": {"finite": True, "min": 0, "max": 1e6},
+            "hour_of_day": {"min": 0, "max": 23},
+            "merchant_id": {"one_of": ["m000001"]},
+            "priority": {"min": 0},  # an optional field is checked only when present
+        }
+    ).check(EVENT)
+
+
+def test_rules_that_do_not_fit_the_schema_are_all_listed():
+    with pytest.raises(SchemaFileError) as caught:
+        rules({"nope": ["required"], "user_id": {"min": 0}, "amount": ["non_empty"]})
+    message = str(caught.value)
+    assert "'nope', not a field of Transaction" in message
+    assert "validate.user_id.min does not fit" in message
+    assert "validate.amount.non_empty does not fit" in message
+
+
+def test_min_above_max_is_refused():
+    with pytest.raises(ValueError, match="above max"):
+        FieldRules(min=5, max=1)

@@ -1,0 +1,185 @@
+"""The runner with fake stages and a fake clock: batches leave in order, a batch is
+acknowledged only after its outcomes are published, transient failures are retried,
+and anything else stops the worker without acknowledging."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from features.errors import FeatureStoreError
+from streams import metrics
+from streams.admit import Route
+from streams.backpressure import InFlight
+from streams.config import PipelineConfig
+from streams.errors import PublishError
+from streams.pipeline import Prepared
+from streams.records import InputRecord, Item
+from streams.runner import PipelineRunner
+from tools.deploy import sample_config
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeDecoder:
+    async def decode(self, records, handles):
+        return [
+            Item(r, h, deadline_s=1e12, event={}) for r, h in zip(records, handles, strict=True)
+        ]
+
+
+class FakePool:
+    warmup_seconds = {1: 0.001}
+
+
+class FakeModel:
+    pool = FakePool()
+
+
+class FakePipeline:
+    """Records what each stage saw; `fail` maps a stage to the errors it raises first."""
+
+    def __init__(self, fail: dict[str, list[BaseException]] | None = None) -> None:
+        raw = sample_config("k:9092", Path("repo"), Path("m.onnx"), max_batch_size=4)
+        raw["pipelines"][0].update(batching="fixed", max_wait_ms=0)
+        self.config = PipelineConfig.model_validate(raw["pipelines"][0])
+        self.metrics = metrics.PipelineMetrics("runner-test")
+        self.model, self.fallback = FakeModel(), None
+        self.fail = fail or {}
+        self.published: list[list[int]] = []
+        self.log: list[str] = []
+        self.publishing = asyncio.Event()
+        self.publishing.set()
+        self.publish_called = asyncio.Event()
+        self.changed = asyncio.Event()
+        """Set whenever something is acked or the worker gives up."""
+
+    def _maybe_fail(self, stage: str) -> None:
+        errors = self.fail.get(stage)
+        if errors:
+            raise errors.pop(0)
+
+    def prepare(self, items):
+        for item in items:
+            item.route = Route.FULL
+        return Prepared(items, admitted=list(items), timings={"decode_us": 0})
+
+    def route(self, items, estimates) -> None:
+        pass
+
+    async def read_features(self, prepared) -> None:
+        self._maybe_fail("features")
+        prepared.timings["features_us"] = 0
+
+    async def infer(self, prepared) -> None:
+        self._maybe_fail("infer")
+        prepared.run_seconds[Route.FULL] = 0.001
+
+    async def publish(self, prepared) -> None:
+        self.publish_called.set()
+        await self.publishing.wait()
+        self._maybe_fail("publish")
+        offsets = [item.record.offset for item in prepared.items]
+        self.published.append(offsets)
+        self.log.append(f"published {offsets}")
+
+
+def chunk(first: int, count: int) -> list[InputRecord]:
+    return [InputRecord("in", 0, o, 0, b"k", b"v") for o in range(first, first + count)]
+
+
+def runner(pipeline: FakePipeline, acked: list, fatal: list) -> PipelineRunner:
+    def ack(handles) -> None:
+        acked.append(list(handles))
+        pipeline.log.append(f"acked {list(handles)}")
+        pipeline.changed.set()
+
+    def on_fatal(error, records):
+        fatal.append((error, [r.offset for r in records]))
+        pipeline.changed.set()
+        raise asyncio.CancelledError  # ends the stage, as the real exit would end the process
+
+    return PipelineRunner(
+        pipeline, FakeDecoder(), InFlight("runner-test", 1000, 500), ack, on_fatal,
+        clock=lambda: 1000.0, wall_clock=lambda: 1_800_000_000.0, retry_delays_s=(0, 0, 0),
+    )  # fmt: skip
+
+
+async def wait_for(pipeline: FakePipeline, condition, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            pipeline.changed.clear()
+            await pipeline.changed.wait()
+
+
+async def test_batches_are_published_and_acked_in_order_each_after_its_publish():
+    pipeline, acked, fatal = FakePipeline(), [], []
+    run = runner(pipeline, acked, fatal)
+    await run.start()
+    for first in (0, 4, 8):
+        records = chunk(first, 4)
+        run.submit(records, [r.offset for r in records])
+    await run.drain()
+    await run.stop()
+    assert pipeline.published == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert acked == pipeline.published
+    # Every ack follows the publish of the same batch.
+    for offsets in acked:
+        assert pipeline.log.index(f"published {offsets}") < pipeline.log.index(f"acked {offsets}")
+    assert run.in_flight.count == 0 and not fatal
+
+
+async def test_nothing_is_acked_while_its_publish_is_pending():
+    pipeline, acked, fatal = FakePipeline(), [], []
+    pipeline.publishing.clear()
+    run = runner(pipeline, acked, fatal)
+    await run.start()
+    records = chunk(0, 4)
+    run.submit(records, [r.offset for r in records])
+    await asyncio.wait_for(pipeline.publish_called.wait(), 10)
+    assert acked == [] and run.in_flight.count == 4
+    pipeline.publishing.set()
+    await wait_for(pipeline, lambda: acked == [[0, 1, 2, 3]])
+    await run.stop()
+
+
+async def test_transient_failures_are_retried_and_acked_once():
+    fail = {
+        "features": [FeatureStoreError("store down")],
+        "publish": [PublishError("broker away"), PublishError("still away")],
+    }
+    pipeline, acked, fatal = FakePipeline(fail), [], []
+    run = runner(pipeline, acked, fatal)
+    await run.start()
+    records = chunk(0, 4)
+    run.submit(records, [r.offset for r in records])
+    await run.drain()
+    await run.stop()
+    assert acked == [[0, 1, 2, 3]] and pipeline.published == [[0, 1, 2, 3]]
+    assert not fatal
+
+
+async def test_a_bug_stops_the_worker_without_acking_the_batch():
+    pipeline, acked, fatal = FakePipeline({"infer": [ValueError("a bug")]}), [], []
+    run = runner(pipeline, acked, fatal)
+    await run.start()
+    records = chunk(0, 4)
+    run.submit(records, [r.offset for r in records])
+    await wait_for(pipeline, lambda: fatal)
+    await run.stop()
+    (error, offsets), *_ = fatal
+    assert isinstance(error, ValueError) and offsets == [0, 1, 2, 3]
+    assert acked == []
+
+
+async def test_retries_that_never_succeed_give_up_without_acking():
+    pipeline, acked, fatal = FakePipeline({"publish": [PublishError("gone")] * 4}), [], []
+    run = runner(pipeline, acked, fatal)
+    await run.start()
+    records = chunk(0, 4)
+    run.submit(records, [r.offset for r in records])
+    await wait_for(pipeline, lambda: fatal)
+    await run.stop()
+    assert isinstance(fatal[0][0], PublishError) and acked == []
