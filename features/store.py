@@ -1,4 +1,5 @@
-"""Opening the Feast store and filling it with the sample world's features."""
+"""Opening the Feast store and filling it with the sample world's features (both sample
+pipelines': fraud scoring and click intent)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,15 @@ def prepare_sample_store(repo_path: Path, world: SampleWorld, redis: str | None 
     data.mkdir(exist_ok=True)
 
     now = datetime.now(UTC).replace(microsecond=0)
-    rng = np.random.default_rng(world.seed + 2)
-    for name, frame in (("user_stats", world.users()), ("merchant_stats", world.merchants())):
+    # The fraud tables share one stream and the click table has its own, so adding
+    # a table leaves the others' timestamps as they were for a seed.
+    fraud_rng = np.random.default_rng(world.seed + 2)
+    tables = (
+        ("user_stats", world.users(), fraud_rng),
+        ("merchant_stats", world.merchants(), fraud_rng),
+        ("product_stats", world.products(), np.random.default_rng(world.seed + 4)),
+    )
+    for name, frame, rng in tables:
         # Fresh rows: within the last hour, well inside the views' TTL.
         frame["event_timestamp"] = now - timedelta(seconds=1) * rng.integers(0, 3600, len(frame))
         frame.to_parquet(data / f"{name}.parquet", index=False)
@@ -69,8 +77,9 @@ def prepare_sample_store(repo_path: Path, world: SampleWorld, redis: str | None 
     store.apply(definitions.ALL)
     store.materialize(start_date=now - timedelta(days=1), end_date=now + timedelta(seconds=1))
     log.info(
-        "materialized %d users and %d merchants into %s",
+        "materialized %d users, %d merchants and %d products into %s",
         world.n_users,
         world.n_merchants,
+        world.n_products,
         repo_path,
     )

@@ -52,13 +52,22 @@ def load_session(config: ModelConfig, device: Device = "cpu"):
 
 
 def signature_of(config: ModelConfig, session) -> Signature:
-    """The resolved signature of a loaded session (ModelError lists every mismatch)."""
+    """The resolved signature of a loaded session (ModelError lists every mismatch). It
+    runs the model once on a row of zeros: that shows a ZipMap's class labels, and pays
+    the session's one-time set-up before anything is timed."""
     ports = [
         [GraphPort(p.name, p.type, tuple(p.shape)) for p in ports]
         for ports in (session.get_inputs(), session.get_outputs())
     ]
     metadata = session.get_modelmeta().custom_metadata_map
-    return resolve(config, ports[0], ports[1], metadata)
+    signature = resolve(config, ports[0], ports[1], metadata)
+    feeds = {tensor.name: tensor.zeros(1) for tensor in signature.inputs}
+    try:
+        first = session.run([signature.output.tensor], feeds)[0]
+    except Exception as exc:
+        raise ModelError(f"{config.path.name} failed on a row of zeros: {exc}") from exc
+    output = signature.output.learn_classes(first)
+    return Signature(signature.name, signature.version, signature.inputs, output)
 
 
 class ModelSession:
@@ -87,13 +96,6 @@ class ModelSession:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"onnx-{self.signature.name}")
         self.warmup_seconds: dict[int, float] = {}
         """Seconds of the warm-up run at each batch size."""
-        # The first run pays the session's one-time set-up (kept out of the times) and
-        # shows a ZipMap's class labels.
-        first = self._session.run([self._output.tensor], self.zero_feeds(1))[0]
-        self._output = self._output.learn_classes(first)
-        self.signature = Signature(
-            self.signature.name, self.signature.version, self.signature.inputs, self._output
-        )
         for size in warmup_batch_sizes:
             self.warmup_seconds[size] = self._timed(self.zero_feeds(size))[1]
 

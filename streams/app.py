@@ -140,9 +140,11 @@ def inspect_pipeline(
     for signature in (found.signature, found.fallback):
         if signature is not None and found.schema is not None:
             found.problems += signature.source_problems(found.fields, found.feature_refs)
-    if found.signature is not None and found.schema is not None:
-        task = found.signature.output.task
-        found.answers = attempt(lambda: derived_schema(spec, found.schema, task))
+    if found.schema is not None:
+        # Without a resolved model, still check what the answers would carry (any task).
+        task = found.signature.output.task if found.signature else "regression"
+        answers = attempt(lambda: derived_schema(spec, found.schema, task))
+        found.answers = answers if found.signature else None
     return found
 
 

@@ -176,15 +176,23 @@ def models() -> None:
 @click.option("--users", default=10_000, show_default=True)
 @click.option("--merchants", default=1_000, show_default=True)
 def models_train(out: Path, users: int, merchants: int) -> None:
-    """Train the sample fraud model and its fallback on the synthetic world; export both
-    to ONNX (the fallback beside OUT, as fraud-lite.onnx)."""
+    """Train the sample fraud model and its fallback, and the click-intent model, on the
+    synthetic world; export them to ONNX (the others beside OUT, as fraud-lite.onnx and
+    click-intent.onnx)."""
     from features.sample_data import SampleWorld
     from models.train import train
+    from models.train_intent import intent_path, train_intent
 
-    report = train(out, SampleWorld(users, merchants))
+    world = SampleWorld(users, merchants)
+    report = train(out, world)
     for name in ("fraud-mlp", "fraud-lite"):
         model = report[name]
         click.echo(f"{name} written to {model['path']} (held-out AUC {model['auc']:.3f})")
+    intent = train_intent(intent_path(out), world)
+    click.echo(
+        f"click-intent written to {intent['path']} (held-out accuracy {intent['accuracy']:.3f}, "
+        f"log-loss {intent['log_loss']:.3f}); missing-product defaults {intent['defaults']}"
+    )
 
 
 @cli.command()
@@ -390,11 +398,20 @@ def audit(config_path: Path, as_json: bool, timeout: float) -> None:
 @click.option("--partitions", default=3, show_default=True)
 @click.option("--runtime", type=click.Choice(["faust", "bare"]), default="faust", show_default=True)
 @click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "demo")
-def demo(rate: float, duration: float, partitions: int, runtime: str, state_dir: Path) -> None:
+@click.option(
+    "--pipeline",
+    type=click.Choice(["fraud", "clicks"]),
+    default="fraud",
+    show_default=True,
+    help="The example pipeline the events go to (the worker serves both).",
+)
+def demo(
+    rate: float, duration: float, partitions: int, runtime: str, state_dir: Path, pipeline: str
+) -> None:
     """End to end on the embedded defaults: broker, features, model, worker, load, summary."""
     from tools.demo import run_demo
 
-    run_demo(state_dir, rate, duration, partitions, runtime)
+    run_demo(state_dir, rate, duration, partitions, runtime, pipeline)
 
 
 @cli.command()

@@ -16,14 +16,16 @@ from pathlib import Path
 import click
 import numpy as np
 from confluent_kafka import Producer
+from models.train_intent import intent_path
 
 from features.sample_data import SampleWorld
 from infra.kafka import KafkaBroker
 from infra.ports import free_port
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
-from schemas.codec import AvroDecoder, AvroEncoder
+from schemas.codec import AvroEncoder
 from streams.app import create_topics
+from tools.answers import answer_decoder, event_encoder
 from tools.bench.cpu import CpuMeter
 from tools.collector import OutcomeCollector
 from tools.deploy import (
@@ -33,14 +35,20 @@ from tools.deploy import (
     stop_worker,
     write_config,
 )
-from tools.loadgen import encoded, malformed_records, sample_events, send_at_rate
+from tools.loadgen import encoded, events_for, example_of, malformed_records, send_at_rate
 
 WARMUP_S = 5.0
 
 
 def run_demo(
-    state_dir: Path, rate: float, duration_s: float, partitions: int, runtime: str = "faust"
+    state_dir: Path,
+    rate: float,
+    duration_s: float,
+    partitions: int,
+    runtime: str = "faust",
+    pipeline: str = "fraud",
 ) -> None:
+    """One worker serves both example pipelines; the load goes to `pipeline`'s topic."""
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     step = _Steps()
@@ -55,10 +63,12 @@ def run_demo(
         took = broker.start()
         step.done(f"on {broker.bootstrap_servers} in {took:.1f} s")
 
-        step("preparing Feast features (SQLite) and the sample model")
+        step("preparing Feast features (SQLite) and the sample models")
         world = SampleWorld()
         repo, model = prepare_sample_assets(state_dir, world)
-        step.done(f"{world.n_users} users, {world.n_merchants} merchants")
+        step.done(
+            f"{world.n_users} users, {world.n_merchants} merchants, {world.n_products} products"
+        )
 
         config_file = state_dir / "headrace.yaml"
         config = write_config(
@@ -69,27 +79,30 @@ def run_demo(
                 metrics_port=free_port(),
                 runtime=runtime,
                 fallback_model=fallback_path(model),
+                clicks_model=intent_path(model),
             ),
             config_file,
         )
-        spec = config.pipelines[0]
+        spec = next(p for p in config.pipelines if p.name == pipeline)
+        example = example_of(spec)
         create_topics(config, partitions)
 
-        step(f"starting the worker ({runtime} runtime)")
+        names = ", ".join(p.name for p in config.pipelines)
+        step(f"starting the worker ({runtime} runtime; pipelines {names})")
         worker = start_worker(config_file, state_dir / "worker.log")
         catalogue = LocalCatalogue()
-        encoder = AvroEncoder(catalogue, "transaction.avsc", f"{spec.input_topic}-value")
+        encoder = event_encoder(config, spec, catalogue)
         collector = OutcomeCollector(
             broker.bootstrap_servers,
             spec.output_topic,
             spec.dead_letter_topic,
-            AvroDecoder(catalogue, "prediction.avsc"),
+            answer_decoder(config, catalogue),
         ).start()
         producer = Producer({"bootstrap.servers": broker.bootstrap_servers, "linger.ms": 1})
         # Serving once it answers one event (sent before then, the warm-up would wait in
         # Kafka past its deadline and be shed); then a warm-up at the demo's rate, not
         # counted: caches, the broker's JIT.
-        warmup = _encoded_ahead(world, "warmup", encoder, int(rate * WARMUP_S) + 1)
+        warmup = _encoded_ahead(spec, world, "warmup", encoder, int(rate * WARMUP_S) + 1)
         send_at_rate(producer, spec.input_topic, iter(warmup[:1]), 1, 1)
         collector.wait_for(1, 120)
         send_at_rate(producer, spec.input_topic, iter(warmup[1:]), rate, WARMUP_S)
@@ -99,9 +112,13 @@ def run_demo(
             )
         step.done(f"serving (metrics on :{config.metrics.port}/metrics)")
 
-        click.echo(f"sending {rate:.0f} events/s for {duration_s:.0f} s, plus 5 malformed ones")
-        measured = _encoded_ahead(world, "demo", encoder, int(rate * duration_s))
-        for value in malformed_records(encoder, next(sample_events(world, 0))).values():
+        click.echo(
+            f"sending {rate:.0f} {pipeline} events/s to {spec.input_topic} for "
+            f"{duration_s:.0f} s, plus 5 malformed ones"
+        )
+        measured = _encoded_ahead(spec, world, "demo", encoder, int(rate * duration_s))
+        valid = next(example.events(world, 0, None))
+        for value in malformed_records(encoder, valid, example.invalid).values():
             producer.produce(spec.input_topic, value, b"malformed")
         started = time.time()
         meter = CpuMeter({"worker": worker.pid})
@@ -138,11 +155,10 @@ def run_demo(
             step.done(f"worker exit status {code}")
 
 
-def _encoded_ahead(world: SampleWorld, prefix: str, encoder: AvroEncoder, count: int) -> list:
+def _encoded_ahead(spec, world: SampleWorld, prefix: str, encoder: AvroEncoder, count: int) -> list:
     """Events encoded before sending, so encoding cannot delay the load's schedule."""
-    return list(
-        itertools.islice(encoded(sample_events(world, time.time_ns(), prefix), encoder), count)
-    )
+    events = events_for(spec, world, time.time_ns(), prefix)
+    return list(itertools.islice(encoded(events, encoder), count))
 
 
 def _progress(sent: int, collector: OutcomeCollector, skip: int) -> None:
@@ -167,7 +183,10 @@ def _summary(measured: list[dict], outcomes, expected: int, elapsed_s: float) ->
     counted = {id(p) for p in measured}
     warmup = Counter(p["status"] for p in outcomes.predictions if id(p) not in counted)
     click.echo(f"warm-up (not counted): {dict(warmup)}")
-    latencies = np.array([p["latency_ms"] for p in measured if p["status"] == "OK"])
+    answered = [p for p in measured if p["status"] == "OK"]
+    if answered and "top_classes" in answered[0]:
+        click.echo(f"classes answered in full: {dict(Counter(p['label'] for p in answered))}")
+    latencies = np.array([p["latency_ms"] for p in answered])
     if len(latencies):
         p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
         click.echo(

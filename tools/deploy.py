@@ -33,6 +33,46 @@ FRAUD_INPUT: dict[str, Any] = {
 }
 
 
+def clicks_pipeline(suffix: str, model_path: Path, defaults: dict[str, float]) -> dict[str, Any]:
+    """The second example: click events, a product view in Feast, a multiclass skl2onnx
+    model without headrace metadata, described here column by column."""
+    from features.sample_data import PAGE_TYPES, PRODUCT_FEATURES
+
+    stats = [f"product_stats__{name}" for name in PRODUCT_FEATURES]
+    return {
+        "name": "clicks",
+        "input_topic": f"clicks{suffix}",
+        "output_topic": f"click-intents{suffix}",
+        "dead_letter_topic": f"clicks-dlq{suffix}",
+        "input": {
+            "schema": str(SCHEMA_DIR / "click.avsc"),
+            "event_id_field": "event_id",
+            "validate": {
+                "event_id": ["non_empty"],
+                "session_id": ["non_empty"],
+                "product_id": ["non_empty"],
+                "page_type": {"one_of": list(PAGE_TYPES)},
+                "dwell_ms": {"min": 0},
+            },
+        },
+        "feature_service": "click_intent",
+        "entity_fields": {"product_id": "product_id"},
+        "model": {
+            "path": str(model_path),
+            "inputs": [
+                {"name": "page_type", "dtype": "string", "columns": ["page_type"]},
+                {"name": "dwell_ms", "dtype": "int64", "columns": ["dwell_ms"]},
+                *(
+                    {"name": ref, "columns": [{"from": ref, "default": defaults[ref]}]}
+                    for ref in stats
+                ),
+            ],
+            "output": {"task": "multiclass", "tensor": "output_probability", "top_k": 3},
+        },
+        "output": {"include": ["event_id", "session_id"], "record_name": "IntentPrediction"},
+    }
+
+
 def sample_config(
     bootstrap_servers: str,
     repo_path: Path,
@@ -49,8 +89,10 @@ def sample_config(
     fallback_model: Path | None = None,
     default_score: float | None = None,
     priority: dict[str, Any] | None = None,
+    clicks_model: Path | None = None,
 ) -> dict[str, Any]:
-    """The sample fraud pipeline's config as a plain dict (what a YAML file would hold).
+    """The sample fraud pipeline's config as a plain dict (what a YAML file would hold),
+    with the click-intent pipeline beside it when `clicks_model` is given.
 
     Without `fallback_model` and `default_score` the ladder has only the answer cache
     above shedding."""
@@ -82,21 +124,37 @@ def sample_config(
             }
         ],
     }
+    if clicks_model is not None:
+        clicks = clicks_pipeline(suffix, clicks_model, intent_defaults())
+        shared = ("latency_budget_ms", "max_in_flight", "max_batch_size", "max_wait_ms")
+        clicks.update({key: config["pipelines"][0][key] for key in shared})
+        config["pipelines"].append(clicks)
     if registry_url:
         config["registry"] = {"url": registry_url}
     return config
 
 
+def intent_defaults() -> dict[str, float]:
+    """The click-intent model's value for each product feature of a missing product."""
+    from models.train_intent import INTENT_DEFAULTS
+
+    return INTENT_DEFAULTS
+
+
 def prepare_sample_assets(state_dir: Path, world: SampleWorld) -> tuple[Path, Path]:
     """Feast repo with materialized features and the trained models (the full one,
-    returned, and its fallback beside it) under `state_dir`."""
+    returned, its fallback and the click-intent model beside it) under `state_dir`.
+    Models already there are kept."""
     from models.train import train
+    from models.train_intent import intent_path, train_intent
 
     repo = state_dir / "features"
     prepare_sample_store(repo, world)
     model = state_dir / "models" / "fraud-mlp.onnx"
     if not model.exists() or not fallback_path(model).exists():
         train(model, world)
+    if not intent_path(model).exists():
+        train_intent(intent_path(model), world)
     return repo, model
 
 

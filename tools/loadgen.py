@@ -55,33 +55,53 @@ def sample_clicks(world: SampleWorld, seed: int, prefix: str | None = None) -> I
             yield row
 
 
-# The example pipelines' events, by the record name of their input schema, with the
-# field they are keyed by (the entity whose order matters).
-EXAMPLES = {"Transaction": (sample_events, "user_id"), "ClickEvent": (sample_clicks, "session_id")}
+@dataclass(frozen=True)
+class Example:
+    """An example pipeline's events: how to make them, the field they are keyed by (the
+    entity whose order matters) and a change that breaks one of its validation rules."""
+
+    events: Callable[[SampleWorld, int, str | None], Iterator[dict]]
+    key_field: str
+    invalid: dict
 
 
-def events_for(
-    spec: PipelineConfig, world: SampleWorld, seed: int, prefix: str | None = None
-) -> Iterator[dict]:
-    """The sample events of an example pipeline (by its input schema's record name)."""
+# By the record name of the pipeline's input schema.
+EXAMPLES = {
+    "Transaction": Example(sample_events, "user_id", {"amount": -5.0}),
+    "ClickEvent": Example(sample_clicks, "session_id", {"dwell_ms": -1}),
+}
+
+
+def example_of(spec: PipelineConfig) -> Example:
+    """The example pipeline `spec` serves (by its input schema's record name)."""
     name = read_schema_file(spec.input.schema_path)["name"] if spec.input.schema_path else None
     if name not in EXAMPLES:
         raise HeadraceError(
             f"pipeline {spec.name} reads {name or spec.input.subject} events; the load "
             f"generator makes only the examples' ({sorted(EXAMPLES)})"
         )
-    return EXAMPLES[name][0](world, seed, prefix)
+    return EXAMPLES[name]
 
 
-def malformed_records(encoder: AvroEncoder, valid: dict) -> dict[str, bytes]:
-    """One record per way an input can be unreadable, by the reason code it must get."""
+def events_for(
+    spec: PipelineConfig, world: SampleWorld, seed: int, prefix: str | None = None
+) -> Iterator[dict]:
+    """The sample events of an example pipeline."""
+    return example_of(spec).events(world, seed, prefix)
+
+
+def malformed_records(
+    encoder: AvroEncoder, valid: dict, invalid: dict | None = None
+) -> dict[str, bytes]:
+    """One record per way an input can be unreadable, by the reason code it must get;
+    `invalid` breaks a validation rule (default: the fraud example's)."""
     good = encoder.encode(valid)
     return {
         "random_bytes": b"\x9f\x13garbage\xff\x00\x01",
         "bad_magic": b"\x01" + good[1:],
         "unknown_schema": b"\x00" + struct.pack(">I", 987_654) + good[5:],
         "truncated": good[: len(good) - 6],
-        "invalid_field": encoder.encode({**valid, "amount": -5.0}),
+        "invalid_field": encoder.encode({**valid, **(invalid or {"amount": -5.0})}),
     }
 
 
@@ -90,7 +110,7 @@ def encoded(events: Iterator[dict], encoder: AvroEncoder) -> Iterator[tuple[byte
     key = None
     for event in events:
         if key is None:
-            key = "user_id" if "user_id" in event else "session_id"
+            key = next(e.key_field for e in EXAMPLES.values() if e.key_field in event)
         yield event[key].encode(), encoder.encode(event)
 
 

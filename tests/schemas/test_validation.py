@@ -9,17 +9,8 @@ from schemas.catalogue import load_schema
 from schemas.config import FieldRules, InputConfig
 from schemas.errors import SchemaFileError
 from schemas.validation import EventRules, InvalidEventError
+from tests.schemas.test_codec import EVENT
 
-EVENT = {
-    "event_id": "e-1",
-    "user_id": "u0000001",
-    "merchant_id": "m000001",
-    "amount": 12.5,
-    "hour_of_day": 3,
-    "is_online": True,
-    "event_time_ms": 1_700_000_000_000,
-    "priority": None,
-}
 TRANSACTION = load_schema("transaction.avsc")
 
 

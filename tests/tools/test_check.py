@@ -1,0 +1,104 @@
+"""`headrace check` and `headrace init` on the sample assets: the resolved column map of
+a good config, every problem of a bad one, and a stanza that checks clean."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from models.train_intent import intent_path
+
+from schemas.catalogue import SCHEMA_DIR
+from tools.cli import cli
+from tools.deploy import sample_config
+
+pytestmark = pytest.mark.integration
+
+
+def config_file(tmp_path: Path, sample_assets, edit=None) -> Path:
+    raw = sample_config(
+        "127.0.0.1:9", sample_assets.repo, sample_assets.model,
+        clicks_model=intent_path(sample_assets.model),
+    )  # fmt: skip
+    if edit is not None:
+        edit(raw["pipelines"][1])
+    path = tmp_path / "headrace.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def check(path: Path):
+    return CliRunner().invoke(cli, ["check", "-c", str(path)])
+
+
+def test_a_good_config_shows_where_each_input_comes_from(tmp_path, sample_assets):
+    result = check(config_file(tmp_path, sample_assets))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "input page_type (string, 1 columns)" in out
+    assert "page_type (default '')  <- event" in out
+    assert "product_stats__price (default" in out and "<- store" in out
+    assert "multiclass, classes ['add_to_cart', 'browse', 'leave', 'purchase']" in out
+    assert "answers IntentPrediction: event_id, session_id, input_topic" in out
+    assert "2 pipeline(s), no problems" in out
+
+
+def test_every_mismatch_is_listed_with_its_message(tmp_path, sample_assets):
+    def break_it(spec: dict) -> None:
+        inputs = spec["model"]["inputs"]
+        inputs[0]["dtype"] = "float32"  # page_type is a string input
+        inputs[1]["columns"] = ["dwell_seconds"]  # no such field or feature
+        spec["model"]["output"]["tensor"] = "probabilities"  # no such output
+        spec["input"]["validate"]["page_typ"] = ["required"]  # no such field
+        spec["output"]["include"] = ["session_id", "status"]  # every answer has a status
+
+    result = check(config_file(tmp_path, sample_assets, break_it))
+    assert result.exit_code == 1
+    out = result.output
+    for expected in [
+        "validate names 'page_typ', not a field of ClickEvent",
+        "input 'page_type' is tensor(string) in the model, but its config says dtype float32",
+        "hint: set dtype to string",
+        "output.tensor 'probabilities' is not an output of the model (outputs: output_label",
+        "output.include names 'status', which every answer carries already",
+        "problem(s) in",
+    ]:
+        assert expected in out, out
+    # A source problem shows once the model resolves; with a bad output it does not.
+
+
+def test_a_column_without_a_source_names_the_input_and_what_is_available(tmp_path, sample_assets):
+    def unknown_column(spec: dict) -> None:
+        spec["model"]["inputs"][1]["columns"] = ["dwell_seconds"]
+
+    result = check(config_file(tmp_path, sample_assets, unknown_column))
+    assert result.exit_code == 1
+    assert "input 'dwell_ms' column 'dwell_seconds' is neither a field of the event" in (
+        result.output
+    )
+    assert "product_stats__price" in result.output  # what is available
+
+
+def test_init_writes_a_stanza_that_checks_clean(tmp_path, sample_assets):
+    result = CliRunner().invoke(
+        cli,
+        ["init", "--name", "clicks", "--schema", str(SCHEMA_DIR / "click.avsc"),
+         "--model", str(intent_path(sample_assets.model)), "--feature-service",
+         "click_intent", "--repo", str(sample_assets.repo)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (stanza,) = yaml.safe_load(result.stdout)
+    assert stanza["model"]["output"]["task"] == "multiclass"
+    names = {i["name"]: i for i in stanza["model"]["inputs"]}
+    assert names["page_type"]["dtype"] == "string" and names["dwell_ms"]["dtype"] == "int64"
+    assert names["product_stats__price"]["columns"] == ["product_stats__price"]
+    assert stanza["entity_fields"] == {"product_id": "product_id"}
+    raw = sample_config("127.0.0.1:9", sample_assets.repo, sample_assets.model)
+    raw["pipelines"] = [copy.deepcopy(stanza)]
+    path = tmp_path / "init.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    checked = check(path)
+    assert checked.exit_code == 0, checked.output
