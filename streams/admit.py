@@ -29,8 +29,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.config import InputConfig
 from streams.batching import scaled_from_nearest, size_bucket
 from streams.records import InputRecord
+
+if TYPE_CHECKING:
+    from streams.config import PriorityConfig
 
 
 class Route(enum.Enum):
@@ -167,21 +171,13 @@ class Admission:
 class Tickets:
     """An event's deadline and priority, from its record and its decoded fields."""
 
-    def __init__(
-        self,
-        budget_s: float,
-        admission: Admission,
-        event_time_field: str | None,
-        priority_header: str | None,
-        priority_field: str | None,
-        default_priority: int,
-    ) -> None:
-        self._budget_s = budget_s
+    def __init__(self, admission: Admission, event: InputConfig, priority: PriorityConfig) -> None:
+        self._budget_s = admission.budget_s
         self._admission = admission
-        self._time_field = event_time_field
-        self._header = priority_header
-        self._field = priority_field
-        self._default = default_priority
+        self._time_field = event.event_time_field
+        self._header = priority.header
+        self._field = priority.field
+        self._default = priority.default
 
     def deadline_s(self, record: InputRecord, event: Mapping[str, Any] | None) -> float:
         """Event time plus the budget; the Kafka timestamp where there is no event time

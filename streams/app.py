@@ -187,10 +187,7 @@ def wire_pipeline(
             default_answer=degradation.default_score is not None,
         ),
     )
-    tickets = Tickets(
-        budget_s, admission, spec.input.event_time_field, spec.priority.header,
-        spec.priority.field, spec.priority.default,
-    )  # fmt: skip
+    tickets = Tickets(admission, spec.input, spec.priority)
     decoder = EventDecoder(AvroDecoder(catalogue, found.schema), found.rules, tickets, measure)
     encoder = AnswerEncoder(codec, spec.output_topic, spec.included_fields)
     pipeline = Pipeline(spec, admission, found.lookup, model, encoder, publisher, measure, fallback)

@@ -81,10 +81,7 @@ def pipeline(
         Ladder(fallback_model=fallback, answer_cache=True,
                default_answer=default_score is not None),
     )  # fmt: skip
-    tickets = Tickets(
-        spec.latency_budget_ms / 1000, admission, spec.input.event_time_field,
-        spec.priority.header, spec.priority.field, spec.priority.default,
-    )  # fmt: skip
+    tickets = Tickets(admission, spec.input, spec.priority)
     schema = load_schema("transaction.avsc")
     decoder = EventDecoder(
         AvroDecoder(catalogue, schema), EventRules(spec.input.validate_fields, schema), tickets,
