@@ -31,10 +31,8 @@ from typing import Any
 
 from schemas.config import InputConfig
 from streams.batching import scaled_from_nearest, size_bucket
+from streams.config import PriorityConfig
 from streams.records import InputRecord
-
-if TYPE_CHECKING:
-    from streams.config import PriorityConfig
 
 
 class Route(enum.Enum):
