@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from models.train_intent import intent_path
 
+from models.train_intent import intent_path
 from schemas.catalogue import SCHEMA_DIR
 from tools.cli import cli
 from tools.deploy import sample_config
@@ -102,3 +102,36 @@ def test_init_writes_a_stanza_that_checks_clean(tmp_path, sample_assets):
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     checked = check(path)
     assert checked.exit_code == 0, checked.output
+
+
+def test_the_reader_schema_can_be_the_latest_version_of_a_registry_subject(
+    tmp_path, sample_assets, registry
+):
+    import json
+
+    from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+
+    from schemas.catalogue import load_schema
+
+    client = SchemaRegistryClient({"url": registry.url, "timeout": 10})
+    client.register_schema("check-transactions-value",
+                           Schema(json.dumps(load_schema("transaction.avsc")), "AVRO"))  # fmt: skip
+
+    def from_subject(raw: dict) -> None:
+        raw["pipelines"][0]["input"] = {
+            **{k: v for k, v in raw["pipelines"][0]["input"].items() if k != "schema"},
+            "subject": "check-transactions-value",
+        }
+
+    raw = sample_config("127.0.0.1:9", sample_assets.repo, sample_assets.model)
+    from_subject(raw)
+    without = tmp_path / "no-registry.yaml"
+    without.write_text(yaml.safe_dump(raw, sort_keys=False))
+    refused = check(without)
+    assert refused.exit_code == 1 and "input.subject needs a registry" in refused.output
+    raw["registry"] = {"url": registry.url}
+    with_registry = tmp_path / "registry.yaml"
+    with_registry.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = check(with_registry)
+    assert result.exit_code == 0, result.output
+    assert "input Transaction (registry subject check-transactions-value)" in result.output
