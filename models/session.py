@@ -110,9 +110,11 @@ class ModelSession:
                 value = self._run_bound(feeds)
             else:
                 value = self._session.run([self._output.tensor], feeds)[0]
-        except Exception as exc:
+            return self._output.answers(value, rows)
+        except ModelError:
+            raise
+        except Exception as exc:  # ONNX Runtime's errors, or an output of the wrong shape
             raise ModelError(f"{self.signature.name} failed on a batch of {rows}: {exc}") from exc
-        return self._output.answers(value, rows)
 
     def _run_bound(self, feeds: Feeds) -> np.ndarray:
         """CUDA path: I/O binding copies the inputs once and keeps ORT from re-allocating."""

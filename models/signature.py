@@ -66,6 +66,8 @@ class ModelOutput:
     positive_class: str | None
     threshold: float
     top_k: int
+    zipmap_keys: tuple | None = None
+    """The ZipMap's keys in the order of `classes` (int64 keys for integer labels)."""
 
     def answers(self, value: Any, rows: int) -> list[dict[str, Any]]:
         """The answer fields (`schemas/answer.py`) of each row, from the output read."""
@@ -108,8 +110,8 @@ class ModelOutput:
         if not self.zipmap:
             matrix = np.asarray(value, dtype=np.float32)
             return matrix.reshape(matrix.shape[0], -1)
-        classes = self.classes
-        return np.array([[row[c] for c in classes] for row in value], dtype=np.float32)
+        keys = self.zipmap_keys
+        return np.array([[row[k] for k in keys] for row in value], dtype=np.float32)
 
     def _positive_column(self) -> int:
         if self.positive_class is None:
@@ -117,14 +119,28 @@ class ModelOutput:
         return self.classes.index(self.positive_class)
 
     def learn_classes(self, value: Any) -> ModelOutput:
-        """With class labels from a ZipMap's keys (a warm-up run) where none were given."""
+        """Checked against a first run's output: class labels from a ZipMap's keys where
+        none were given (labels are strings; integer keys too), and as many classes as a
+        probability tensor has columns."""
         if not self.zipmap:
+            if self.task == "regression" or self.classes is None:
+                return self
+            width = np.asarray(value).reshape(len(value), -1).shape[1]
+            if width != len(self.classes):
+                raise ModelError(
+                    f"output.classes names {len(self.classes)} classes, the output "
+                    f"{self.tensor!r} has {width} probability columns"
+                )
             return self
-        keys = tuple(str(k) for k in value[0]) if len(value) else ()
+        raw_keys = tuple(value[0]) if len(value) else ()
+        by_label = {str(k): k for k in raw_keys}
         given = self.classes
-        if given is not None and set(given) != set(keys):
-            raise ModelError(f"output.classes {list(given)} differ from the model's {list(keys)}")
-        output = _replace(self, classes=given or keys)
+        if given is not None and set(given) != set(by_label):
+            raise ModelError(
+                f"output.classes {list(given)} differ from the model's {list(by_label)}"
+            )
+        classes = given or tuple(by_label)
+        output = _replace(self, classes=classes, zipmap_keys=tuple(by_label[c] for c in classes))
         if output.positive_class is not None and output.positive_class not in output.classes:
             raise ModelError(
                 f"output.positive_class {output.positive_class!r} is not a class of the "
