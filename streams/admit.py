@@ -285,9 +285,11 @@ class CompletionModel:
         self.rest = SizedTimes(window_s, quantile)
         """Seconds a batch spends outside the model runs (decode, features, publish), by
         its size: a backlog's large batches of cheap answers must not count for small ones."""
-        self.slowest_stages = SizedTimes(window_s, quantile)
+        self.slowest_stages = SizedTimes(window_s, quantile=0.5)
         """Seconds of a batch's slowest stage, by its size: what bounds throughput while
-        the stages of successive batches overlap (the batcher's adaptive size)."""
+        the stages of successive batches overlap (the batcher's adaptive size). A median:
+        throughput follows the typical time; a high quantile would make light-load
+        batches wait to fill for nothing."""
         self._ahead_s = 0.0
         self._first_full_runs = SizedTimes(math.inf, quantile)
         self._first_fallback_run_s = 0.0
