@@ -16,12 +16,12 @@ from pathlib import Path
 import click
 import numpy as np
 from confluent_kafka import Producer
-from models.train_intent import intent_path
 
 from features.sample_data import SampleWorld
 from infra.kafka import KafkaBroker
 from infra.ports import free_port
 from models.train import fallback_path
+from models.train_intent import intent_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
 from streams.app import create_topics

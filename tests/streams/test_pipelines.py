@@ -19,9 +19,9 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
-from models.train_intent import INTENT_DEFAULTS, intent_path
 
 from features.store import open_store
+from models.train_intent import INTENT_DEFAULTS, intent_path
 from schemas.catalogue import read_schema_file
 from tests.helpers import PATIENT_BUDGET_MS, wait_until
 from tests.streams.test_worker import offline_scores
