@@ -37,12 +37,20 @@ class EventDecoder:
         self._metrics = measure
         self._clock = clock
 
+    def needs_lookup(self, records: Sequence[InputRecord]) -> bool:
+        """Whether decoding `records` would first ask the registry (an id not seen yet)."""
+        return bool(self._codec.unknown_ids(record.value for record in records))
+
     async def decode(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> list[Item]:
         """An item per record, in order: an event with its deadline and priority, or the
-        error that dead-letters it."""
+        error that dead-letters it. Unknown schema ids are looked up on a thread first."""
         unknown = self._codec.unknown_ids(record.value for record in records)
         if unknown:
             await asyncio.to_thread(self._codec.learn, unknown)
+        return self.decode_known(records, handles)
+
+    def decode_known(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> list[Item]:
+        """`decode` for records whose schema ids are all resolved: never blocks."""
         started = time.perf_counter()
         now_s = self._clock()
         metrics.observe_many(
