@@ -25,7 +25,7 @@ from models.signature import Signature
 from schemas.catalogue import LocalCatalogue, SchemaCatalogue, open_catalogue, read_schema_file
 from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import HeadraceError
-from schemas.validation import EventRules
+from schemas.validation import EventRules, field_types
 from streams import metrics
 from streams.admit import Admission, Ladder, Tickets
 from streams.backpressure import InFlight
@@ -63,20 +63,29 @@ def input_schema(spec: PipelineConfig, catalogue: SchemaCatalogue) -> dict[str, 
     return schema
 
 
-def check_fields(spec: PipelineConfig, fields: Sequence[str]) -> list[str]:
+def check_fields(spec: PipelineConfig, schema: dict[str, Any]) -> list[str]:
     """Problems with the fields the config names, against the input schema's fields."""
+    types = field_types(schema)
+    fields = list(types)
     named = [
         ("input.event_id_field", spec.input.event_id_field),
         ("input.event_time_field", spec.input.event_time_field),
         ("priority.field", spec.priority.field),
         *((f"entity_fields.{key}", field) for key, field in spec.entity_fields.items()),
     ]
-    return [
+    problems = [
         f"pipeline {spec.name}: {role} {name!r} is not a field of the input schema "
         f"(fields: {list(fields)})"
         for role, name in named
         if name is not None and name not in fields
     ]
+    time_field = spec.input.event_time_field
+    if time_field in fields and not types[time_field] & {"int", "long", "float", "double"}:
+        problems.append(
+            f"pipeline {spec.name}: input.event_time_field {time_field!r} must be a number "
+            f"(epoch milliseconds), its type is {sorted(types[time_field])}"
+        )
+    return problems
 
 
 def answer_schema_of(spec: PipelineConfig, catalogue: SchemaCatalogue) -> dict[str, Any]:
@@ -126,7 +135,7 @@ def inspect_pipeline(
 
     found.schema = attempt(lambda: input_schema(spec, catalogue))
     if found.schema is not None:
-        found.problems += check_fields(spec, found.fields)
+        found.problems += check_fields(spec, found.schema)
         found.rules = attempt(lambda: EventRules(spec.input.validate_fields, found.schema))
     if spec.feature_service is not None:
         found.lookup = attempt(lambda: FeatureLookup(

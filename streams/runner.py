@@ -127,9 +127,13 @@ class PipelineRunner:
         if not self._to_decode and not self._decoder.needs_lookup(records):
             # The common case, decoded at once: a hop through the decode stage costs a
             # loop iteration per chunk, which the Faust runtime's loop makes milliseconds.
-            items = self._decoder.decode_known(records, handles)
-            self._batcher.put(items, [item.deadline_s for item in items])
-            return
+            try:
+                items = self._decoder.decode_known(records, handles)
+            except Exception:  # a bug: never let it escape into the consumer (Faust
+                pass  # would ack the chunk); the decode stage meets it and stops the worker
+            else:
+                self._batcher.put(items, [item.deadline_s for item in items])
+                return
         self._to_decode.append((records, handles))
         self._submitted.set()
 

@@ -31,6 +31,8 @@ class FakeDecoder:
         return self.decode_known(records, handles)
 
     def decode_known(self, records, handles):
+        if any(record.value == b"bug" for record in records):
+            raise TypeError("a bug in decoding")
         pairs = zip(records, handles, strict=True)
         return [Item(record, handle, deadline_s=1e12, event={}) for record, handle in pairs]
 
@@ -188,3 +190,15 @@ async def test_retries_that_never_succeed_give_up_without_acking():
     await wait_for(pipeline, lambda: fatal)
     await run.stop()
     assert isinstance(fatal[0][0], PublishError) and acked == []
+
+
+async def test_a_bug_in_decoding_stops_the_worker_instead_of_reaching_the_consumer():
+    pipeline, acked, fatal = FakePipeline(), [], []
+    run = runner(pipeline, acked, fatal)
+    await run.start()
+    records = [InputRecord("in", 0, 0, 0, b"k", b"bug")]
+    run.submit(records, [0])  # must not raise into the consumer (Faust would ack it)
+    await wait_for(pipeline, lambda: fatal)
+    await run.stop()
+    assert isinstance(fatal[0][0], TypeError) and fatal[0][1] == [0]
+    assert acked == []
