@@ -8,6 +8,7 @@ tensors with the answer fields of its task.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,8 +67,7 @@ def signature_of(config: ModelConfig, session) -> Signature:
         first = session.run([signature.output.tensor], feeds)[0]
     except Exception as exc:
         raise ModelError(f"{config.path.name} failed on a row of zeros: {exc}") from exc
-    output = signature.output.learn_classes(first)
-    return Signature(signature.name, signature.version, signature.inputs, output)
+    return dataclasses.replace(signature, output=signature.output.learn_classes(first))
 
 
 class ModelSession:

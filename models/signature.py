@@ -12,6 +12,7 @@ naming the input or output and listing what the model has.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -140,19 +141,14 @@ class ModelOutput:
                 f"output.classes {list(given)} differ from the model's {list(by_label)}"
             )
         classes = given or tuple(by_label)
-        output = _replace(self, classes=classes, zipmap_keys=tuple(by_label[c] for c in classes))
+        keys = tuple(by_label[c] for c in classes)
+        output = dataclasses.replace(self, classes=classes, zipmap_keys=keys)
         if output.positive_class is not None and output.positive_class not in output.classes:
             raise ModelError(
                 f"output.positive_class {output.positive_class!r} is not a class of the "
                 f"model (classes: {list(output.classes)})"
             )
         return output
-
-
-def _replace(output: ModelOutput, **changes: Any) -> ModelOutput:
-    import dataclasses
-
-    return dataclasses.replace(output, **changes)
 
 
 @dataclass(frozen=True)

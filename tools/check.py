@@ -1,6 +1,5 @@
-"""`headrace check` and `headrace schema show`: every pipeline of a config loaded
-without Kafka (schema, feature service, models), its resolved column map, its answer
-schema, and every problem found."""
+"""`headrace check`: every pipeline of a config loaded without Kafka (schema, feature
+service, models), its resolved column map, its answer schema, and every problem found."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from contextlib import ExitStack
 
 from schemas.catalogue import LocalCatalogue, SchemaCatalogue
 from streams.app import Inspection, inspect_pipeline, open_store_for
-from streams.config import HeadraceConfig, PipelineConfig
+from streams.config import HeadraceConfig
 from tools.answers import catalogue_of
 
 
@@ -60,10 +59,3 @@ def report(found: Inspection, catalogue: SchemaCatalogue | None = None) -> list[
             lines.append(f"    schema id {schema_id} (local catalogue)")
     lines += [f"  PROBLEM: {problem}" for problem in found.problems]
     return lines
-
-
-def find(config: HeadraceConfig, name: str | None) -> PipelineConfig:
-    for spec in config.pipelines:
-        if name is None or spec.name == name:
-            return spec
-    raise KeyError(name)
