@@ -26,7 +26,7 @@ from schemas.catalogue import LocalCatalogue, SchemaCatalogue, open_catalogue, r
 from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import HeadraceError
 from schemas.validation import EventRules, field_types
-from streams import metrics
+from streams import heap, metrics
 from streams.admit import Admission, Ladder, Tickets
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig, PipelineConfig
@@ -314,8 +314,10 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         if config.runtime == "bare":
             from streams.consumers.confluent import BareConsumer
 
+            heap.settle_heap()
             asyncio.run(BareConsumer(config, make_runner).serve())
             return
         from streams.consumers import faust
 
+        heap.settle_heap()
         faust.serve(config, make_runner, log_level)

@@ -34,6 +34,13 @@ ESTIMATED_COMPLETION = Gauge(
     "model; admission scales it by the batch's count) or fallback.",
     ["pipeline", "path", "check"],
 )
+GC_PAUSE_SECONDS = Histogram(
+    "headrace_gc_pause_seconds",
+    "Pauses of Python's garbage collector, by generation (2 is a full collection): "
+    "every event in flight waits through one.",
+    ["generation"],
+    buckets=SECONDS_BUCKETS,
+)
 DEAD_LETTERS = Counter(
     "headrace_dead_letters", "Dead-lettered events by reason code.", ["pipeline", "reason"]
 )

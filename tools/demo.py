@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -144,6 +145,7 @@ def run_demo(
             click.echo(f"worker CPU: {cpu_us:.0f} µs per event ({cores:.2f} cores at {rate:.0f}/s)")
         if report.max_lag_ms > 50:
             click.echo(f"(the load generator fell up to {report.max_lag_ms:.0f} ms behind)")
+        _save_metrics(config.metrics.port, state_dir / "worker-metrics.txt")
     finally:
         if collector is not None:
             collector.stop()
@@ -153,6 +155,17 @@ def run_demo(
         broker.stop()
         if worker is not None:
             step.done(f"worker exit status {code}")
+
+
+def _save_metrics(port: int, path: Path) -> None:
+    """The worker's /metrics as the run left them, for a look at where time went."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            path.write_bytes(answer.read())
+    except OSError as exc:
+        click.echo(f"(could not read the worker's metrics: {exc})")
+        return
+    click.echo(f"the worker's metrics at the end: {path}")
 
 
 def _encoded_ahead(spec, world: SampleWorld, prefix: str, encoder: AvroEncoder, count: int) -> list:
