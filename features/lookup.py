@@ -5,11 +5,17 @@ Per batch and per view: the distinct entity keys are looked up in the cache; the
 misses are read from the online store in one call; rows older than the view's TTL
 (Feast would still serve them) and absent entities are reported as missing, with
 NaN in their columns for the pipeline's missing-feature policy (the model's defaults).
+
+A read that fails or outlasts its time bound raises `StoreUnavailable` at once (the
+read itself may go on in its thread: a blocked store call cannot be interrupted), and a
+circuit breaker (`features/breaker.py`) refuses reads while the store keeps failing, so
+that a store outage degrades the answers instead of stalling them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from features import metrics
+from features.breaker import BreakerState, StoreBreaker
 from features.cache import FeatureCache
 from features.config import FeatureCacheConfig
-from features.errors import FeatureStoreError
+from features.errors import FeatureStoreError, StoreUnavailable
 from features.online_read import OnlineViewReader
 
 
@@ -44,6 +51,8 @@ class FeatureRows:
 # benchmark 30 s after start): each row counts as read up to a fifth earlier.
 STALENESS_SPREAD = 0.2
 _NO_SETTINGS = FeatureCacheConfig()
+
+log = logging.getLogger(__name__)
 
 
 class _View:
@@ -109,10 +118,51 @@ class FeatureLookup:
             self._views.append(_View(reader, fields, view_cache))
             self.feature_refs += [f"{projection.name_to_use()}__{name}" for name in names]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="feature-read")
+        self.service = feature_service
+        self._state = metrics.STORE_STATE.labels(feature_service)
+        self._errors = metrics.STORE_FAILURES.labels(feature_service, "error")
+        self._timeouts = metrics.STORE_FAILURES.labels(feature_service, "timeout")
+        self._down_since: float | None = None
+        self.breaker = StoreBreaker(on_change=self._breaker_changed)
 
-    async def fetch(self, events: Sequence[Mapping[str, Any]]) -> FeatureRows:
+    async def fetch(
+        self, events: Sequence[Mapping[str, Any]], timeout_s: float | None = None
+    ) -> FeatureRows:
+        """Features of `events`, read off the loop within `timeout_s`; raises
+        StoreUnavailable when the read fails, is too slow, or the store is known down."""
+        if not self.breaker.allow():
+            raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.read, events)
+        read = loop.run_in_executor(self._executor, self.read, events)
+        try:
+            rows = await asyncio.wait_for(read, timeout_s)
+        except TimeoutError as exc:
+            self._timeouts.inc()
+            why = f"a read took over {timeout_s * 1000:.0f} ms"
+            self.breaker.failed(why)
+            raise StoreUnavailable(f"feature service {self.service!r}: {why}") from exc
+        except FeatureStoreError as exc:
+            self._errors.inc()
+            self.breaker.failed(str(exc))
+            raise StoreUnavailable(f"feature service {self.service!r}: {exc}") from exc
+        self.breaker.succeeded()
+        return rows
+
+    def _breaker_changed(self, state: BreakerState, why: str) -> None:
+        # One log line per outage and one per recovery; the probes in between are quiet.
+        self._state.set(state.value)
+        now = time.monotonic()
+        if state is BreakerState.OPEN and self._down_since is None:
+            self._down_since = now
+            log.warning(
+                "feature service %s: store unavailable (%s); answering without it and "
+                "probing every %.1f s", self.service, why, self.breaker.probe_after_s,
+            )  # fmt: skip
+        elif state is BreakerState.CLOSED and self._down_since is not None:
+            log.warning(
+                "feature service %s: store back after %.1f s", self.service, now - self._down_since
+            )
+            self._down_since = None
 
     def read(self, events: Sequence[Mapping[str, Any]]) -> FeatureRows:
         """Blocking: features of `events`, one store read per view for the cache misses."""

@@ -1,6 +1,6 @@
 """Prometheus metrics of the feature stage (served by the worker's `/metrics`)."""
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 # Latency buckets for every headrace histogram: microseconds (decode) to seconds.
 SECONDS_BUCKETS = (
@@ -31,4 +31,15 @@ SERVED_STALENESS_SECONDS = Histogram(
     "Per batch, how long ago the stalest served feature row was read from the store.",
     ["view"],
     buckets=(0.0, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+)
+STORE_STATE = Gauge(
+    "headrace_feature_store_state",
+    "The circuit breaker around the online store, per feature service: 0 closed (reading), "
+    "1 open (reads refused, events degrade), 2 probing.",
+    ["service"],
+)
+STORE_FAILURES = Counter(
+    "headrace_feature_store_failures",
+    "Batch reads that failed (error) or took longer than allowed (timeout), per service.",
+    ["service", "kind"],
 )

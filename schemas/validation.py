@@ -4,12 +4,17 @@
 a rule that names no field of the schema, or does not fit the field's type (`min` on a
 string), is refused at start. At run time `check(event)` raises InvalidEventError
 naming the field and the rule, so the dead letter says which rule failed.
+
+Beside the configured rules, a numeric field that a model takes as float32 must fit in
+float32 (rule `float32`): 1e308 is a valid Avro double, but as float32 it is infinity,
+and a model's answer to infinity is NaN. Such an event is dead-lettered, not scored.
+NaN passes the rule: like null, the model's input treats it as missing (the default).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from schemas.config import FieldRules
@@ -30,6 +35,7 @@ class InvalidEventError(DecodeError):
 
 
 _NUMERIC = {"int", "long", "float", "double"}
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 _SIZED = {"string", "bytes", "array", "map"}
 
 
@@ -47,7 +53,13 @@ def field_types(schema: Mapping[str, Any]) -> dict[str, set[str]]:
 class EventRules:
     """The compiled rules of one input schema; `check` is on the hot path."""
 
-    def __init__(self, rules: Mapping[str, FieldRules], schema: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        rules: Mapping[str, FieldRules],
+        schema: Mapping[str, Any],
+        float32_fields: Iterable[str] = (),
+    ) -> None:
+        """`float32_fields`: the fields a model takes as float32 (`float32` rule)."""
         types = field_types(schema)
         self._checks: list[tuple[str, str, str, Check]] = []
         problems = []
@@ -62,6 +74,9 @@ class EventRules:
                         f"{sorted(types[field])}"
                     )
                 self._checks.append((field, rule, expected, check))
+        for field in dict.fromkeys(float32_fields):
+            if _numeric(types.get(field, set())):
+                self._checks.append((field, "float32", _FITS_FLOAT32, _fits_float32))
         if problems:
             raise SchemaFileError(
                 "; ".join(problems) + f" (fields of {schema['name']}: {list(types)})"
@@ -76,6 +91,13 @@ class EventRules:
 
     def describe(self) -> list[str]:
         return [f"{field}: {rule} ({expected})" for field, rule, expected, _ in self._checks]
+
+
+_FITS_FLOAT32 = f"a number float32 holds (|x| <= {FLOAT32_MAX:.4g})"
+
+
+def _fits_float32(value: Any) -> bool:
+    return value is None or not abs(value) > FLOAT32_MAX  # NaN passes: a missing value
 
 
 def _any(_types: set[str]) -> bool:

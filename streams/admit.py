@@ -56,7 +56,11 @@ DEADLINE_AT_RISK = "deadline_at_risk"
 """The estimated completion of the full path lies beyond its deadline."""
 LOW_PRIORITY = "low_priority"
 """It would have met its deadline, but not within the share of the budget its priority gets."""
-REASONS = (DEADLINE_PASSED, DEADLINE_AT_RISK, LOW_PRIORITY)
+STORE_UNAVAILABLE = "store_unavailable"
+"""Its features could not be read in time (the store failed, was too slow, or is down)."""
+NON_FINITE = "non_finite_answer"
+"""The model answered NaN or infinity for it."""
+REASONS = (DEADLINE_PASSED, DEADLINE_AT_RISK, LOW_PRIORITY, STORE_UNAVAILABLE, NON_FINITE)
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,16 @@ class Admission:
             route = self._degrade(usable_s, estimates.fallback_s, candidate.cached)
             decisions.append(Decision(route, reason))
         return decisions
+
+    def without_store(self, cached: bool, fallback_needs_store: bool) -> Decision:
+        """For an event whose store read failed: it was admitted to a path at least as
+        slow as the fallback model's, so it has time for that model, if it needs no store."""
+        usable_s = -math.inf if fallback_needs_store else math.inf
+        return Decision(self._degrade(usable_s, 0.0, cached), STORE_UNAVAILABLE)
+
+    def without_model(self, cached: bool) -> Decision:
+        """For an event a model answered with NaN or infinity: the rungs after the models."""
+        return Decision(self._degrade(-math.inf, 0.0, cached), NON_FINITE)
 
     def _degrade(self, usable_s: float, fallback_s: float, cached: bool) -> Route:
         """The first rung of the ladder that can answer, given the seconds left to use."""

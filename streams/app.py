@@ -136,7 +136,6 @@ def inspect_pipeline(
     found.schema = attempt(lambda: input_schema(spec, catalogue))
     if found.schema is not None:
         found.problems += check_fields(spec, found.schema)
-        found.rules = attempt(lambda: EventRules(spec.input.validate_fields, found.schema))
     if spec.feature_service is not None:
         found.lookup = attempt(lambda: FeatureLookup(
             store, spec.feature_service, spec.entity_fields, spec.feature_cache))  # fmt: skip
@@ -150,6 +149,15 @@ def inspect_pipeline(
         if signature is not None and found.schema is not None:
             found.problems += signature.source_problems(found.fields, found.feature_refs)
     if found.schema is not None:
+        float32_fields = [
+            column.source
+            for signature in (found.signature, found.fallback) if signature is not None
+            for tensor in signature.inputs if tensor.dtype == "float32"
+            for column in tensor.columns
+        ]  # fmt: skip
+        found.rules = attempt(
+            lambda: EventRules(spec.input.validate_fields, found.schema, float32_fields)
+        )
         # Without a resolved model, still check what the answers would carry (any task).
         task = found.signature.output.task if found.signature else "regression"
         answers = attempt(lambda: derived_schema(spec, found.schema, task))

@@ -86,6 +86,10 @@ class DegradationConfig(_Frozen):
     default_score: float | None = None
     """A fixed answer for whatever is left: the score of a binary model, the value of a
     regression (None: shed instead; a multiclass model has no default answer)."""
+    store_timeout_ms: float | None = Field(None, gt=0, le=60_000)
+    """Longest a batch's feature read may take before its events answer without the
+    store (None: half the latency budget). Failed or too-slow reads open a circuit
+    breaker: reads stop for a second, then one probe read tests the store again."""
 
 
 class OutputConfig(_Frozen):

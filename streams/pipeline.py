@@ -16,12 +16,14 @@ counters move only after that.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from features.cache import FeatureCache
+from features.errors import StoreUnavailable
 from features.lookup import FeatureLookup, FeatureRows
 from streams import metrics
 from streams.admit import Admission, Candidate, Estimates, Route
@@ -29,7 +31,7 @@ from streams.config import PipelineConfig
 from streams.encode import AnswerEncoder
 from streams.errors import ConfigError
 from streams.infer import Model
-from streams.publish import Publisher, dead_letter
+from streams.publish import Outgoing, Publisher, dead_letter
 from streams.records import Item, OutRecord
 
 
@@ -45,6 +47,8 @@ class Prepared:
     timings: dict[str, int] = field(default_factory=dict)
     run_seconds: dict[Route, float] = field(default_factory=dict)
     """Seconds of each model run (full, fallback) of the batch."""
+    outgoing: Outgoing | None = None
+    """Its outcome records once encoded, with what Kafka acknowledged of them."""
 
     def count(self, route: Route) -> int:
         return sum(1 for item in self.admitted if item.route is route)
@@ -93,6 +97,8 @@ class Pipeline:
         # The feature cache's LRU and age bound serve answers too (value: the answer).
         answers = config.degradation.answer_cache
         self._answers = FeatureCache(answers.max_entries, answers.max_age_s, clock)
+        timeout_ms = config.degradation.store_timeout_ms or config.latency_budget_ms / 2
+        self._store_timeout_s = timeout_ms / 1000
 
     def prepare(self, items: Sequence[Item]) -> Prepared:
         """A released batch: every decoded event starts on the full path, for the
@@ -125,7 +131,9 @@ class Pipeline:
             item.route, item.reason = decision.route, decision.reason
 
     async def read_features(self, prepared: Prepared) -> None:
-        """One store read (through the cache) for the events whose model needs it."""
+        """One store read (through the cache) for the events whose model needs it. When
+        the store cannot answer in time, those events go down the ladder instead
+        (reason `store_unavailable`): a store outage degrades, it never stops the stream."""
         needing = [item for item in prepared.admitted if self._needs_store(item.route)]
         prepared.timings["features_us"] = 0
         if not needing:
@@ -133,7 +141,15 @@ class Pipeline:
         started = time.perf_counter()
         for row, item in enumerate(needing):
             item.row = row
-        prepared.rows = await self._lookup.fetch([item.event for item in needing])
+        try:
+            prepared.rows = await self._lookup.fetch(
+                [item.event for item in needing], self._store_timeout_s
+            )
+        except StoreUnavailable:
+            no_fallback = self.fallback is None or self.fallback.needs_store
+            for item in needing:
+                decision = self.admission.without_store(item.cached is not None, no_fallback)
+                item.route, item.reason, item.row = decision.route, decision.reason, None
         seconds = time.perf_counter() - started
         self.metrics.stage["features"].observe(seconds)
         prepared.timings["features_us"] = int(seconds * 1e6)
@@ -158,15 +174,24 @@ class Pipeline:
         if route is Route.FULL:
             self.metrics.stage["inference"].observe(seconds)
         prepared.run_seconds[route] = seconds
+        for item in items:
+            if not _finite(item.answer):  # e.g. an input past what the model's math holds
+                decision = self.admission.without_model(item.cached is not None)
+                item.route, item.reason = decision.route, decision.reason
 
     async def publish(self, prepared: Prepared) -> None:
         """Encode an outcome for every input and write them all; returns once Kafka has
         them all."""
         measure = self.metrics
         started = time.perf_counter()
-        outcomes = self._outcomes(prepared)
+        if prepared.outgoing is None:  # else a retry: it sends only what was not written
+            spec = self.config
+            prepared.outgoing = Outgoing(
+                self._outcomes(prepared), [item.record for item in prepared.items], spec.name,
+                spec.dead_letter_topic,
+            )  # fmt: skip
         encoded = time.perf_counter()
-        await self._publisher.publish(outcomes)
+        await self._publisher.publish(prepared.outgoing)
         published = time.perf_counter()
 
         measure.stage["encode"].observe(encoded - started)
@@ -216,10 +241,12 @@ class Pipeline:
         groups: dict[tuple[str, str | None, str | None], int] = {}
         latencies: dict[str, list[float]] = {}
         use_cache = self.admission.ladder.answer_cache
-        for item in prepared.items:
+        # Outcomes the publisher had to write as dead letters (too large), by index.
+        rewritten = prepared.outgoing.rewritten if prepared.outgoing is not None else {}
+        for index, item in enumerate(prepared.items):
             latency_s = max(0.0, now_s - item.record.timestamp_ms / 1000)
-            if item.error is not None:
-                measure.dead_letter(item.error.reason)
+            if item.error is not None or index in rewritten:
+                measure.dead_letter(rewritten.get(index) or item.error.reason)
                 latencies.setdefault("DEAD_LETTER", []).append(latency_s)
                 continue
             route = item.route
@@ -232,3 +259,9 @@ class Pipeline:
             measure.answered(status, level, reason, count)
         for status, seconds in latencies.items():
             metrics.observe_many(measure.end_to_end(status), seconds)
+
+
+def _finite(answer: dict[str, Any]) -> bool:
+    """Whether a model's answer is a number (score: binary, multiclass; value: regression)."""
+    number = answer["value"] if "value" in answer else answer["score"]
+    return math.isfinite(number)

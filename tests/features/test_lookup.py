@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
+import time
+
 import numpy as np
 import pytest
 
-from features.errors import FeatureStoreError
+from features.breaker import StoreBreaker
+from features.config import FeatureCacheConfig
+from features.errors import FeatureStoreError, StoreUnavailable
 from features.lookup import FeatureLookup
 from features.store import open_store
 
@@ -89,3 +95,28 @@ def test_unknown_feature_service_is_a_clear_error(store):
 def test_store_without_repo_is_a_clear_error(tmp_path):
     with pytest.raises(FeatureStoreError, match=r"feature_store\.yaml"):
         open_store(tmp_path)
+
+
+def test_a_locked_store_fails_reads_within_their_bound_then_refuses_them(store, sample_assets):
+    client = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS, FeatureCacheConfig(max_entries=0))
+    now = [0.0]
+    client.breaker = StoreBreaker(2, 1.0, lambda: now[0], client._breaker_changed)
+    events = [{"user_id": "u0000003", "merchant_id": "m000010"}]
+    database = sample_assets.repo / "data" / "online_store.db"
+    lock = sqlite3.connect(database, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="took over 50 ms"):
+                asyncio.run(client.fetch(events, timeout_s=0.05))
+            assert time.monotonic() - started < 1.0
+        with pytest.raises(StoreUnavailable, match="down"):  # open: not even tried
+            asyncio.run(client.fetch(events, timeout_s=0.05))
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    now[0] = 1.0  # a probe is due; the store answers again
+    rows = asyncio.run(client.fetch(events, timeout_s=10.0))
+    assert rows.columns["user_stats__txn_count_7d"].shape == (1,)
+    client.close()

@@ -63,3 +63,14 @@ def test_rules_that_do_not_fit_the_schema_are_all_listed():
 def test_min_above_max_is_refused():
     with pytest.raises(ValueError, match="above max"):
         FieldRules(min=5, max=1)
+
+
+def test_a_field_a_model_takes_as_float32_must_fit_in_float32():
+    checked = EventRules({}, TRANSACTION, float32_fields=["amount"])
+    checked.check({"amount": 3.0e38})
+    checked.check({"amount": None})
+    with pytest.raises(InvalidEventError) as failed:
+        checked.check({"amount": 1e308})
+    assert (failed.value.field, failed.value.rule, failed.value.reason) == (
+        "amount", "float32", "invalid_field",
+    )  # fmt: skip

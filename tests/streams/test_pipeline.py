@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from features.errors import StoreUnavailable
 from features.lookup import FeatureRows
 from models.signature import Column, ModelOutput, Signature, TensorInput
 from schemas.catalogue import LocalCatalogue, load_schema
@@ -50,7 +51,12 @@ class FakePool:
 class FakeLookup:
     feature_refs = list(STORE)
 
-    async def fetch(self, events):
+    def __init__(self) -> None:
+        self.down = False
+
+    async def fetch(self, events, timeout_s=None):
+        if self.down:
+            raise StoreUnavailable("the store is down")
         return FeatureRows({STORE[0]: np.ones(len(events))}, [()] * len(events), len(events))
 
 
@@ -66,14 +72,15 @@ def pipeline(
     default_score: float | None = None,
     fallback: bool = True,
     event_time_field=None,
+    full_score: float = 0.9,
     **spec_overrides,
 ) -> tuple[Pipeline, dict]:
     raw = sample_config("k:9092", Path("repo"), Path("m.onnx"), default_score=default_score)
     raw["pipelines"][0]["input"]["event_time_field"] = event_time_field
     spec = PipelineConfig.model_validate({**raw["pipelines"][0], **spec_overrides})
-    full = FakePool("full", ("amount", *STORE), 0.9)
+    full = FakePool("full", ("amount", *STORE), full_score)
     lite = FakePool("lite", ("amount",), 0.2) if fallback else None
-    parts = {"full": full, "lite": lite, "publisher": FakePublisher()}
+    parts = {"full": full, "lite": lite, "publisher": FakePublisher(), "store": FakeLookup()}
     catalogue = LocalCatalogue()
     measure = metrics.PipelineMetrics(spec.name)
     admission = Admission(
@@ -91,7 +98,7 @@ def pipeline(
         AvroEncoder(catalogue, "prediction.avsc", "out-value"), "out", spec.included_fields
     )
     built = Pipeline(
-        spec, admission, FakeLookup(), Model(full, FIELDS, STORE), encoder, parts["publisher"],
+        spec, admission, parts["store"], Model(full, FIELDS, STORE), encoder, parts["publisher"],
         measure, Model(lite, FIELDS, STORE) if lite else None, clock=lambda: NOW_S,
     )  # fmt: skip
     parts["decoder"] = decoder
@@ -204,3 +211,33 @@ def test_an_invalid_event_is_dead_lettered_in_place_naming_the_rule():
     assert headers["headrace.error.reason"] == b"invalid_field"
     assert headers["headrace.error.rule"] == b"amount.min"
     assert letter.value == batch[1].value
+
+
+def test_a_store_that_cannot_answer_degrades_to_the_models_that_need_no_store():
+    built, parts = pipeline(default_score=None)
+    parts["store"].down = True
+    answer, stale = run(built, parts, records([0.010, 2.0]), FAST)
+    assert (answer["status"], answer["degraded_by"], answer["reason"]) == (
+        "DEGRADED", "fallback_model", "store_unavailable",
+    )  # fmt: skip
+    assert answer["score"] == pytest.approx(0.2) and parts["full"].rows == 0
+    assert (stale["status"], stale["reason"]) == ("SHED", "deadline_passed")
+    parts["store"].down = False
+    (again,) = run(built, parts, records([0.010]), FAST)
+    assert again["status"] == "OK"
+
+
+def test_without_a_fallback_model_a_store_outage_gets_the_default_answer():
+    built, parts = pipeline(default_score=0.05, fallback=False)
+    parts["store"].down = True
+    (answer,) = run(built, parts, records([0.010]), FAST)
+    assert (answer["status"], answer["degraded_by"], answer["reason"]) == (
+        "DEGRADED", "default", "store_unavailable",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("score", [math.nan, math.inf])
+def test_a_non_finite_model_answer_is_never_ok(score):
+    built, parts = pipeline(default_score=None, full_score=score)
+    (answer,) = run(built, parts, records([0.010]), FAST)
+    assert (answer["status"], answer["reason"]) == ("SHED", "non_finite_answer")
