@@ -1,6 +1,10 @@
-"""A local Apicurio Registry 3 (in-memory storage), whose Confluent-compatible API is
-served under `/apis/ccompat/v7`. The Quarkus app comes from Maven Central
+"""A local Apicurio Registry 3, whose Confluent-compatible API is served under
+`/apis/ccompat/v7`. The Quarkus app comes from Maven Central
 (`io.apicurio:apicurio-registry-app`, the `tar.gz` with classifier `all`) and needs Java 21+.
+
+Its schemas are kept on disk (H2 in file mode, in `state_dir`), not in memory: ids must
+survive a restart. An in-memory registry hands out the same ids again after one, to
+other schemas, and every record already framed with the old ids then decodes wrongly.
 """
 
 from __future__ import annotations
@@ -65,6 +69,11 @@ class SchemaRegistryServer:
             "-Dquarkus.management.host=127.0.0.1",
             f"-Dquarkus.management.port={self.management_port}",
             "-Dquarkus.log.level=WARN",
+            f"-Dapicurio.datasource.url=jdbc:h2:file:{(self.state_dir / 'schemas').resolve()}",
+            # Its default pool of 20 to 100 connections is for a shared server.
+            "-Dapicurio.datasource.jdbc.initial-size=2",
+            "-Dapicurio.datasource.jdbc.min-size=2",
+            "-Dapicurio.datasource.jdbc.max-size=8",
             "-jar",
             str(app / "quarkus-run.jar"),
         ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
 import uuid
 
 import pytest
@@ -41,6 +43,30 @@ def test_topics_get_the_partition_counts_asked_for(kafka):
 def test_registry_serves_the_confluent_api(registry):
     assert registry.ready()
     assert registry.url.endswith("/apis/ccompat/v7")
+
+
+def register(registry, subject: str, schema: dict) -> int:
+    request = urllib.request.Request(
+        f"{registry.url}/subjects/{subject}/versions",
+        data=json.dumps({"schema": json.dumps(schema)}).encode(),
+        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return json.load(answer)["id"]
+
+
+def test_registry_keeps_its_ids_across_a_restart(registry):
+    before = {"type": "record", "name": "Before", "fields": [{"name": "x", "type": "int"}]}
+    after = {"type": "record", "name": "After", "fields": [{"name": "y", "type": "long"}]}
+    first = register(registry, "durable-before-value", before)
+    registry.stop()
+    assert not registry.ready()
+    registry.start()
+    with urllib.request.urlopen(f"{registry.url}/schemas/ids/{first}", timeout=10) as answer:
+        assert json.loads(json.load(answer)["schema"]) == before
+    # An in-memory registry would hand `first` out again here.
+    assert register(registry, "durable-after-value", after) != first
+    assert register(registry, "durable-before-value", before) == first
 
 
 def test_redis_commands_start_and_stop_a_server(tmp_path):
