@@ -7,12 +7,19 @@ Avro parsing canonical form, the same in every process. With a registry, ids are
 up (reads) or registered under `<topic>-value` subjects (writes), as confluent-kafka's
 own `AvroSerializer` does, so events written by a user's producer decode here and
 answers decode in a user's consumer.
+
+What a registry answered is also kept in a file (`registry.known_schemas_file`): a
+registry id never changes its schema, so a worker restarted while the registry is down
+still decodes the ids it met before and frames its answers with the id it was given.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import tempfile
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -21,7 +28,10 @@ from typing import Any, Protocol
 import fastavro
 from fastavro.schema import to_parsing_canonical_form
 
+from schemas.config import RegistryConfig
 from schemas.errors import RegistryError, SchemaFileError, SchemaNotFoundError
+
+log = logging.getLogger(__name__)
 
 SCHEMA_DIR = Path(__file__).parent
 
@@ -110,6 +120,68 @@ class LocalCatalogue:
         return schema_id
 
 
+class KnownSchemas:
+    """Ids and schemas a registry gave, kept in a JSON file: `{"ids": {id: schema},
+    "subjects": {subject: {schema text: id}}}`. Written whole and renamed into place;
+    workers sharing the file merge what they learned, and a lost race loses nothing
+    the registry cannot answer again. No file (None): memory only."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._path = path
+        self.ids: dict[int, dict[str, Any]] = {}
+        self.subjects: dict[str, dict[str, int]] = {}
+        self._merge(self._read())
+
+    def remember_id(self, schema_id: int, schema: dict[str, Any]) -> None:
+        if self.ids.get(schema_id) != schema:
+            self.ids[schema_id] = schema
+            self._save()
+
+    def remember_subject(self, subject: str, schema: dict[str, Any], schema_id: int) -> None:
+        text = _text(schema)
+        if self.subjects.get(subject, {}).get(text) != schema_id:
+            self.subjects.setdefault(subject, {})[text] = schema_id
+            self.ids[schema_id] = schema
+            self._save()
+
+    def id_of(self, subject: str, schema: dict[str, Any]) -> int | None:
+        return self.subjects.get(subject, {}).get(_text(schema))
+
+    def _read(self) -> dict[str, Any]:
+        if self._path is None or not self._path.exists():
+            return {}
+        try:
+            return json.loads(self._path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring the known-schemas file %s: %s", self._path, exc)
+            return {}
+
+    def _merge(self, saved: dict[str, Any]) -> None:
+        for schema_id, schema in saved.get("ids", {}).items():
+            self.ids.setdefault(int(schema_id), schema)
+        for subject, versions in saved.get("subjects", {}).items():
+            for text, schema_id in versions.items():
+                self.subjects.setdefault(subject, {}).setdefault(text, schema_id)
+
+    def _save(self) -> None:
+        if self._path is None:
+            return
+        self._merge(self._read())  # what other workers learned meanwhile
+        data = {"ids": {str(i): s for i, s in self.ids.items()}, "subjects": self.subjects}
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=self._path.parent, suffix=".tmp")
+            with os.fdopen(handle, "w") as out:
+                json.dump(data, out)
+            os.replace(temporary, self._path)
+        except OSError as exc:  # a cache: serving goes on without it
+            log.warning("could not write the known-schemas file %s: %s", self._path, exc)
+
+
+def _text(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
 class RegistryCatalogue:
     """A Confluent-compatible schema registry (Confluent, Apicurio's ccompat API, ...).
 
@@ -117,17 +189,19 @@ class RegistryCatalogue:
     call it off the event loop or warm it up before traffic.
     """
 
-    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, url: str, timeout_s: float = 10.0, known_schemas_file: Path | None = None
+    ) -> None:
         from confluent_kafka.schema_registry import SchemaRegistryClient
 
         self.url = url
         self._client = SchemaRegistryClient({"url": url, "timeout": timeout_s})
-        self._by_id: dict[int, dict[str, Any]] = {}
+        self._known = KnownSchemas(known_schemas_file)
 
     def schema_for_id(self, schema_id: int) -> dict[str, Any]:
-        cached = self._by_id.get(schema_id)
-        if cached is not None:
-            return cached
+        known = self._known.ids.get(schema_id)
+        if known is not None:
+            return known
         from confluent_kafka.schema_registry.error import SchemaRegistryError
 
         try:
@@ -139,19 +213,28 @@ class RegistryCatalogue:
         except Exception as exc:  # connection errors come from the HTTP client underneath
             raise RegistryError(f"registry at {self.url} unreachable: {exc}") from exc
         raw = json.loads(schema.schema_str)
-        self._by_id[schema_id] = raw
+        self._known.remember_id(schema_id, raw)
         return raw
 
     def id_for(self, subject: str, schema: dict[str, Any]) -> int:
         from confluent_kafka.schema_registry import Schema
 
         try:
-            return self._client.register_schema(subject, Schema(json.dumps(schema), "AVRO"))
+            schema_id = self._client.register_schema(subject, Schema(json.dumps(schema), "AVRO"))
         except Exception as exc:
+            known = self._known.id_of(subject, schema)
+            if known is not None:
+                log.warning(
+                    "registry at %s unreachable (%s); subject %s keeps id %d, as registered "
+                    "before", self.url, exc, subject, known,
+                )  # fmt: skip
+                return known
             raise RegistryError(
                 f"could not register {schema.get('name')} under subject {subject!r} "
                 f"at {self.url}: {exc}"
             ) from exc
+        self._known.remember_subject(subject, schema, schema_id)
+        return schema_id
 
     def latest(self, subject: str) -> dict[str, Any]:
         """The latest version registered under `subject`."""
@@ -165,6 +248,8 @@ class RegistryCatalogue:
         return json.loads(registered.schema.schema_str)
 
 
-def open_catalogue(registry_url: str | None) -> SchemaCatalogue:
-    """The registry when a URL is configured, else the embedded local catalogue."""
-    return RegistryCatalogue(registry_url) if registry_url else LocalCatalogue()
+def open_catalogue(registry: RegistryConfig | None) -> SchemaCatalogue:
+    """The registry when one is configured, else the embedded local catalogue."""
+    if registry is None:
+        return LocalCatalogue()
+    return RegistryCatalogue(registry.url, registry.timeout_s, registry.known_schemas_file)

@@ -16,10 +16,12 @@ class FrozenModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def resolve_path(path: Path, info: ValidationInfo) -> Path:
+def resolve_path(path: Path | None, info: ValidationInfo) -> Path | None:
     """A relative path taken from the folder of the config file (context `base_dir`)."""
     base = (info.context or {}).get("base_dir")
-    return path if path.is_absolute() or base is None else (base / path).resolve()
+    if path is None or path.is_absolute() or base is None:
+        return path
+    return (base / path).resolve()
 
 
 class RegistryConfig(FrozenModel):
@@ -27,6 +29,12 @@ class RegistryConfig(FrozenModel):
     """Base URL of a Confluent-compatible API (Apicurio: `.../apis/ccompat/v7`)."""
     timeout_s: float = Field(10.0, gt=0, le=300)
     """Longest one registry call may take."""
+    known_schemas_file: Path | None = Path(".headrace/known-schemas.json")
+    """Where the ids and schemas the registry gave are kept (relative to the config
+    file), so that a worker restarted while the registry is down decodes the ids it met
+    before and keeps its answers' id. None: memory only."""
+
+    _resolve_known = field_validator("known_schemas_file")(resolve_path)
 
 
 Bound = int | float

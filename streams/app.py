@@ -234,7 +234,7 @@ def open_store_for(config: HeadraceConfig) -> Any:
 def wire_pipelines(
     config: HeadraceConfig, publisher: Publisher, resources: ExitStack
 ) -> dict[str, Wired]:
-    catalogue = open_catalogue(config.registry.url if config.registry else None)
+    catalogue = open_catalogue(config.registry)
     store = open_store_for(config)
     return {
         spec.name: wire_pipeline(spec, catalogue, store, publisher, resources)

@@ -13,7 +13,7 @@ from streams.config import HeadraceConfig, PipelineConfig
 
 
 def catalogue_of(config: HeadraceConfig) -> SchemaCatalogue:
-    return open_catalogue(config.registry.url if config.registry else None)
+    return open_catalogue(config.registry)
 
 
 def answer_decoder(config: HeadraceConfig, catalogue: SchemaCatalogue | None = None) -> AvroDecoder:

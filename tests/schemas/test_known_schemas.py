@@ -1,0 +1,38 @@
+"""A worker restarted while the registry is down keeps what the registry told it before."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.ports import free_port
+from schemas.catalogue import RegistryCatalogue
+from schemas.errors import RegistryError
+
+pytestmark = pytest.mark.integration
+
+ANSWER = {"type": "record", "name": "Known", "fields": [{"name": "score", "type": "double"}]}
+EVENT = {"type": "record", "name": "Seen", "fields": [{"name": "n", "type": "long"}]}
+
+
+def test_ids_learned_from_the_registry_survive_its_outage(registry, tmp_path):
+    known = tmp_path / "known-schemas.json"
+    online = RegistryCatalogue(registry.url, 5.0, known)
+    answer_id = online.id_for("known-answers-value", ANSWER)
+    event_id = online.id_for("known-events-value", EVENT)
+    assert online.schema_for_id(event_id) == EVENT
+
+    down = RegistryCatalogue(f"http://127.0.0.1:{free_port()}/apis/ccompat/v7", 2.0, known)
+    assert down.id_for("known-answers-value", ANSWER) == answer_id
+    assert down.schema_for_id(event_id) == EVENT
+    changed = {**ANSWER, "name": "Changed"}
+    with pytest.raises(RegistryError):  # never met: nothing to fall back on
+        down.id_for("known-answers-value", changed)
+    with pytest.raises(RegistryError):
+        down.schema_for_id(event_id + 1000)
+
+
+def test_without_a_file_nothing_is_kept(registry, tmp_path):
+    RegistryCatalogue(registry.url, 5.0, None).id_for("kept-nowhere-value", EVENT)
+    down = RegistryCatalogue(f"http://127.0.0.1:{free_port()}/apis/ccompat/v7", 2.0, None)
+    with pytest.raises(RegistryError):
+        down.id_for("kept-nowhere-value", EVENT)
