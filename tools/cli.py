@@ -450,8 +450,9 @@ def demo(
     "--system",
     "systems",
     multiple=True,
-    type=click.Choice(["kafka", "headrace", "bare", "naive"]),
-    help="Systems the sweep runs (repeatable; default all: headrace is the Faust runtime).",
+    type=click.Choice(["kafka", "headrace", "bare", "naive", "mlserver"]),
+    help="Systems the sweep runs (repeatable; default all: headrace is the Faust runtime; "
+    "mlserver builds its own environment on first use, skipped if it cannot).",
 )
 @click.option(
     "--scenario",
@@ -525,7 +526,7 @@ def bench(
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
         baselines=not no_baselines,
-        systems=systems or ("kafka", "headrace", "bare", "naive"),
+        systems=systems or ("kafka", "headrace", "bare", "naive", "mlserver"),
         scenario=scenario,
         runtimes=runtimes or ("bare", "faust"),
         overload_model=overload_model,

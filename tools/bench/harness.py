@@ -4,6 +4,11 @@ Every system gets the same pre-encoded event stream, sent open-loop at each offe
 rate (a warm-up, then a measured window), and is read back by a consumer that
 measures end-to-end latency from each event's intended send time.
 
+MLServer's Kafka mode is one of the systems (`mlserver`): its own environment, a custom
+runtime doing headrace's feature read and model run, fed the same events as V2 JSON
+(`tools/bench/mlserver/`); it is skipped, with the reason, where that environment
+cannot be built.
+
 The overload scenario (`scenario="overload"`) first finds a worker's capacity (the
 highest rate of answers in full over a doubling ramp), then offers 0.5x, 1x, 2x and
 4x that capacity and reports counts and percentiles per outcome status.
@@ -42,6 +47,8 @@ from schemas.codec import AvroEncoder
 from tools.bench import flame
 from tools.bench.cpu import CpuMeter
 from tools.bench.latency import LatencyLog, LatencySummary, prediction_reader, raw_reader
+from tools.bench.mlserver import system as mlserver
+from tools.bench.mlserver.env import DEFAULT_VENV, MLServerUnavailable, ensure_venv
 from tools.bench.profile import scrape, stage_profile
 from tools.collector import TopicReader
 from tools.deploy import (
@@ -52,7 +59,7 @@ from tools.deploy import (
     stop_worker,
     write_config,
 )
-from tools.loadgen import encoded, sample_events, send_at_rate
+from tools.loadgen import Record, encoded, sample_events, send_at_rate
 
 EVENT_POOL = 20_000
 OVERLOAD_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
@@ -103,10 +110,16 @@ class BenchSettings(BaseModel):
     max_batch_size: int = Field(64, ge=1, le=4096)
     max_wait_ms: float = Field(5.0, ge=0)
     baselines: bool = True
-    systems: tuple[Literal["kafka", "headrace", "bare", "naive"], ...] = (
-        "kafka", "headrace", "bare", "naive")  # fmt: skip
+    systems: tuple[Literal["kafka", "headrace", "bare", "naive", "mlserver"], ...] = (
+        "kafka", "headrace", "bare", "naive", "mlserver")  # fmt: skip
     """Systems the sweep runs, in this order (raw Kafka first: it also warms the broker);
     `baselines=False` keeps only headrace (the Faust runtime)."""
+    mlserver_venv: Path = DEFAULT_VENV
+    """MLServer's own environment, built there on first use."""
+    mlserver_batch_time_ms: float = Field(2.0, ge=0)
+    """MLServer's adaptive batching window (its batch size cap is `max_batch_size`)."""
+    mlserver_freeze_heap: bool = True
+    """MLServer's runtime freezes its start-up heap once loaded, as headrace's workers do."""
     scenario: Literal["sweep", "overload"] = "sweep"
     runtimes: tuple[Literal["faust", "bare"], ...] = ("bare", "faust")
     """Runtimes the overload scenario runs."""
@@ -160,6 +173,8 @@ class SystemUnderTest:
     profile_port: int | None = None
     pid: int | None = None
     """The worker's process, for its CPU time and profile."""
+    records: Iterator[Record] | None = None
+    """What the load generator sends it, if not the bench's Avro events."""
 
 
 class Bench:
@@ -183,7 +198,7 @@ class Bench:
         started = time.time()
         try:
             self.echo("preparing features (SQLite Feast) and the sample model")
-            world = SampleWorld()
+            self.world = world = SampleWorld()
             self.repo, self.model_path = prepare_sample_assets(self.state_dir, world)
             self.records = _event_pool(world, self.run_id)
             results: dict = {"settings": settings.model_dump(mode="json"), "steps": []}
@@ -207,6 +222,8 @@ class Bench:
                     results["steps"] += self._run_raw_kafka(settings.offered_rates())
                 elif system == "naive":
                     results["steps"] += self._run_naive()
+                elif system == "mlserver":
+                    results["steps"] += self._run_mlserver()
                 else:
                     runtime = "faust" if system == "headrace" else "bare"
                     results["steps"] += self._run_worker(system, runtime)
@@ -222,6 +239,12 @@ class Bench:
 
     def _run_worker(self, name: str, runtime: str) -> list[StepResult]:
         system, worker = self._start_pipeline_process(name, worker=True, runtime=runtime)
+        return self._measure_worker(system, worker)
+
+    def _measure_worker(self, system: SystemUnderTest, worker) -> list[StepResult]:
+        """Idle CPU, the sweep, the CPU check at 1,000/s and the profile of a started
+        worker process, stopped at the end."""
+        name = system.name
         try:
             idle = self._idle_cores(system)
             steps = self._sweep(system, self.settings.offered_rates())
@@ -318,6 +341,57 @@ class Bench:
                 break
             rate *= settings.sweep_factor
         return best
+
+    def _run_mlserver(self) -> list[StepResult]:
+        """MLServer's Kafka mode doing the sample pipeline's work (see
+        `tools/bench/mlserver/`), measured as the workers are; skipped with the reason
+        where its environment cannot be built or it does not start."""
+        try:
+            python = ensure_venv(self.settings.mlserver_venv, self.echo)
+        except MLServerUnavailable as exc:
+            return self._skip("mlserver", str(exc))
+        name = "mlserver"
+        input_topic = self._topic("mlserver-in", self.settings.partitions)
+        output_topic = self._topic("mlserver-out", self.settings.partitions)
+        spec = sample_config(self.bootstrap, self.repo, self.model_path)["pipelines"][0]
+        folder = self.state_dir / "mlserver" / mlserver.v2.MODEL_NAME
+        http_port = mlserver.write_model_folder(
+            folder,
+            bootstrap=self.bootstrap,
+            input_topic=input_topic,
+            output_topic=output_topic,
+            repo_path=self.repo,
+            feature_service=spec["feature_service"],
+            entity_fields=spec["entity_fields"],
+            model_path=self.model_path,
+            max_batch_size=self.settings.max_batch_size,
+            max_batch_time_ms=self.settings.mlserver_batch_time_ms,
+            freeze_heap=self.settings.mlserver_freeze_heap,
+        )
+        log = LatencyLog()
+        reader = mlserver.answer_reader(self.bootstrap, [output_topic], log).start()
+        # The same events as the other systems', as V2 JSON (MLServer reads no Avro).
+        events = itertools.islice(sample_events(self.world, 1, f"bench-{self.run_id}"),
+                                  EVENT_POOL)  # fmt: skip
+        pool = itertools.cycle(list(mlserver.records(events)))
+        system = SystemUnderTest(name, input_topic, reader, log, records=pool)
+        log_file = self.state_dir / f"{name}.log"
+        self.echo(f"starting {name}")
+        process = mlserver.start(python, folder, log_file)
+        system.pid = process.pid
+        try:
+            mlserver.wait_ready(process, http_port, log_file)
+            self._warm_up(system, log_file)
+        except (MLServerUnavailable, click.ClickException) as exc:
+            stop_worker(process)
+            reader.stop()
+            return self._skip(name, str(exc))
+        return self._measure_worker(system, process)
+
+    def _skip(self, name: str, reason: str) -> list[StepResult]:
+        self.echo(f"  {name}: skipped: {reason}")
+        self.systems[name] = {"skipped": reason}
+        return []
 
     def _run_naive(self) -> list[StepResult]:
         system, process = self._start_pipeline_process("naive", worker=False)
@@ -417,15 +491,20 @@ class Bench:
         else:
             process = start_process(["-m", "tools.bench.naive", str(config_file)], log_file)
         system.pid = process.pid
-        # Warm up until answers flow: group join, partition assignment, first reads.
-        producer = self.producer
-        send_at_rate(producer, system.input_topic, self.records, 100, 2)
-        system.sent += 200
-        if system.reader.wait_for(system.sent, 120) < system.sent:
+        try:
+            self._warm_up(system, log_file)
+        except click.ClickException:
             stop_worker(process)
             reader.stop()
-            raise click.ClickException(f"{name} did not answer its warm-up; see {log_file}")
+            raise
         return system, process
+
+    def _warm_up(self, system: SystemUnderTest, log_file: Path) -> None:
+        """Send until answers flow: group join, partition assignment, first reads."""
+        send_at_rate(self.producer, system.input_topic, system.records or self.records, 100, 2)
+        system.sent += 200
+        if system.reader.wait_for(system.sent, 120) < system.sent:
+            raise click.ClickException(f"{system.name} did not answer its warm-up; see {log_file}")
 
     def _sweep(self, system: SystemUnderTest, rates: list[float]) -> list[StepResult]:
         """Step through `rates` until a step overloads the system, then bisect between
@@ -496,7 +575,7 @@ class Bench:
         report = send_at_rate(
             self.producer,
             system.input_topic,
-            self.records,
+            system.records or self.records,
             rate,
             settings.warmup_s + settings.measure_s,
             on_tick=lambda sent: self.echo(

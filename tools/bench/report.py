@@ -32,6 +32,7 @@ LIGHT_P50_OVER_KAFKA_MAX_MS = 2.0
 LIGHT_P99_OVER_KAFKA_MAX_MS = 5.0
 FAUST_CPU_OVER_BARE_MAX = 1.3
 IDLE_MAX_CORES = 0.02
+OVER_MLSERVER_MIN = 3.0
 RUNTIMES = (("headrace", "faust"), ("bare", "bare"))
 
 
@@ -45,9 +46,12 @@ def verdicts(steps: list[StepResult], budget_ms: float, systems: dict | None = N
     light-load latency over the raw Kafka round trip."""
     systems = systems or {}
     # The sweep's own figure (every repeat of a refining rate passed) where it ran.
+    names = ["headrace", "bare", "naive", "kafka"]
+    if "mlserver" in systems or any(s.system == "mlserver" for s in steps):
+        names.append("mlserver")
     rates = {
         name: systems.get(name, {}).get("sustainable_per_s", sustainable(steps, name))
-        for name in ("headrace", "bare", "naive", "kafka")
+        for name in names
     }
     out: dict = {
         "budget_ms": budget_ms,
@@ -59,34 +63,53 @@ def verdicts(steps: list[StepResult], budget_ms: float, systems: dict | None = N
         "bare_over_kafka": _ratio(rates["bare"], rates["kafka"]),
         "runtimes": {},
     }
-    kafka = {s.offered_per_s: s for s in steps if s.system == "kafka" and s.phase == "sweep"}
     for system, runtime in RUNTIMES:
-        ours = [s for s in steps if s.system == system]
-        if not ours:
-            continue
-        figures: dict = {"idle_cores": systems.get(system, {}).get("idle_cores")}
-        at_limit = [s for s in ours if s.within_budget and s.offered_per_s == rates[system]]
-        if at_limit:
-            figures["cpu_us_at_sustainable"] = at_limit[-1].cpu_us_per_event.get("worker")
-        checks = [s for s in ours if s.phase == "check"]
-        if checks:
-            figures["cpu_us_at_1000"] = checks[-1].cpu_us_per_event.get("worker")
-        sweep = {s.offered_per_s: s for s in ours if s.phase == "sweep"}
-        common = sorted(set(sweep) & set(kafka))
-        if rates[system] and common:
-            light = min(common, key=lambda rate: abs(rate - 0.1 * rates[system]))
-            figures["light_load"] = {
-                "offered_per_s": light,
-                "cpu_us": sweep[light].cpu_us_per_event.get("worker"),
-                "p50_over_kafka_ms": sweep[light].latency.p50_ms - kafka[light].latency.p50_ms,
-                "p99_over_kafka_ms": sweep[light].latency.p99_ms - kafka[light].latency.p99_ms,
-            }
-        out["runtimes"][runtime] = figures
+        figures = _worker_figures(steps, system, rates[system], systems)
+        if figures is not None:
+            out["runtimes"][runtime] = figures
+    if "mlserver" in rates:
+        out["faust_over_mlserver"] = _ratio(rates["headrace"], rates["mlserver"])
+        out["bare_over_mlserver"] = _ratio(rates["bare"], rates["mlserver"])
+        out["mlserver"] = _worker_figures(steps, "mlserver", rates["mlserver"], systems) or {}
+        if "skipped" in systems.get("mlserver", {}):
+            out["mlserver"]["skipped"] = systems["mlserver"]["skipped"]
     faust, bare = out["runtimes"].get("faust", {}), out["runtimes"].get("bare", {})
     out["faust_cpu_over_bare_at_1000"] = _ratio(
         faust.get("cpu_us_at_1000"), bare.get("cpu_us_at_1000")
     )
     return out
+
+
+def _worker_figures(
+    steps: list[StepResult], system: str, rate: float, systems: dict
+) -> dict | None:
+    """A worker process's CPU figures (idle, at its sustainable rate, at 1,000/s) and its
+    light-load step (the sweep rate nearest 10% of its sustainable one) beside raw
+    Kafka's at that rate; None if it has no steps."""
+    ours = [s for s in steps if s.system == system]
+    if not ours:
+        return None
+    kafka = {s.offered_per_s: s for s in steps if s.system == "kafka" and s.phase == "sweep"}
+    figures: dict = {"idle_cores": systems.get(system, {}).get("idle_cores")}
+    at_limit = [s for s in ours if s.within_budget and s.offered_per_s == rate]
+    if at_limit:
+        figures["cpu_us_at_sustainable"] = at_limit[-1].cpu_us_per_event.get("worker")
+    checks = [s for s in ours if s.phase == "check"]
+    if checks:
+        figures["cpu_us_at_1000"] = checks[-1].cpu_us_per_event.get("worker")
+    sweep = {s.offered_per_s: s for s in ours if s.phase == "sweep"}
+    common = sorted(set(sweep) & set(kafka))
+    if rate and common:
+        light = min(common, key=lambda r: abs(r - 0.1 * rate))
+        figures["light_load"] = {
+            "offered_per_s": light,
+            "cpu_us": sweep[light].cpu_us_per_event.get("worker"),
+            "p50_ms": sweep[light].latency.p50_ms,
+            "p99_ms": sweep[light].latency.p99_ms,
+            "p50_over_kafka_ms": sweep[light].latency.p50_ms - kafka[light].latency.p50_ms,
+            "p99_over_kafka_ms": sweep[light].latency.p99_ms - kafka[light].latency.p99_ms,
+        }
+    return figures
 
 
 def _target_lines(v: dict, systems: dict) -> list[str]:
@@ -96,6 +119,8 @@ def _target_lines(v: dict, systems: dict) -> list[str]:
         return "n/a" if ok is None else ("met" if ok else "NOT met")
 
     def rate(name: str) -> str:
+        if "skipped" in systems.get(name, {}):
+            return "skipped"
         figure = f"{v['sustainable_per_s'][name]:,.0f}/s"
         info = systems.get(name, {})
         if info.get("capped"):
@@ -109,7 +134,12 @@ def _target_lines(v: dict, systems: dict) -> list[str]:
 
     lines = [
         f"- Sustainable rates: faust runtime {rate('headrace')}, bare {rate('bare')}, "
-        f"raw Kafka {rate('kafka')}, naive per-event loop {rate('naive')}."
+        f"raw Kafka {rate('kafka')}, naive per-event loop {rate('naive')}"
+        + (
+            f", MLServer Kafka mode {rate('mlserver')}."
+            if "mlserver" in v["sustainable_per_s"]
+            else "."
+        )
     ]
     ratio = v["faust_over_bare"]
     lines.append(
@@ -163,6 +193,38 @@ def _target_lines(v: dict, systems: dict) -> list[str]:
         f"- Faust / bare worker CPU per event at 1,000/s: {fmt(ratio)} (target <= "
         f"{FAUST_CPU_OVER_BARE_MAX}): "
         f"{met(None if ratio is None else ratio <= FAUST_CPU_OVER_BARE_MAX)}."
+    )
+    if "mlserver" in v:
+        lines += _mlserver_lines(v, fmt, met)
+    return lines
+
+
+def _mlserver_lines(v: dict, fmt, met) -> list[str]:
+    """The MLServer baseline: headrace's ratios to it (target 3x) and its own figures."""
+    figures = v["mlserver"]
+    if "skipped" in figures:
+        first = figures["skipped"].strip().splitlines()[0]
+        return [f"- MLServer baseline skipped: {first}"]
+    lines = []
+    for key, label in (("faust_over_mlserver", "Faust"), ("bare_over_mlserver", "bare")):
+        ratio = v[key]
+        lines.append(
+            f"- {label} / MLServer sustainable: {fmt(ratio)} (target >= {OVER_MLSERVER_MIN:g}): "
+            f"{met(None if ratio is None else ratio >= OVER_MLSERVER_MIN)}."
+        )
+    light = figures.get("light_load")
+    if light:
+        lines.append(
+            f"- MLServer: light load ({light['offered_per_s']:,.0f}/s) p50 {light['p50_ms']:.1f} "
+            f"ms, p99 {light['p99_ms']:.1f} ms ({light['p50_over_kafka_ms']:+.1f} and "
+            f"{light['p99_over_kafka_ms']:+.1f} ms over the raw Kafka round trip), "
+            f"CPU per event {fmt(light['cpu_us'], ' µs')}."
+        )
+    lines.append(
+        f"- MLServer: CPU per event at its sustainable rate "
+        f"{fmt(figures.get('cpu_us_at_sustainable'), ' µs')}, at 1,000/s "
+        f"{fmt(figures.get('cpu_us_at_1000'), ' µs')}; idle "
+        f"{fmt(figures.get('idle_cores'), ' cores')}."
     )
     return lines
 
@@ -247,6 +309,8 @@ def _markdown(doc: dict) -> str:
             f"- headrace (Faust) over the naive per-event loop: "
             f"{v['throughput_ratio_vs_naive']:.1f}x."
         )
+    if "mlserver" in v and "skipped" not in v["mlserver"]:
+        lines += ["", _mlserver_note(doc["settings"])]
     lines += _systems_markdown(doc["systems"])
     lines += [
         "",
@@ -302,6 +366,23 @@ def _markdown(doc: dict) -> str:
                 f"{row['per_event_us']:.1f} | {row['events_per_s']:,.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _mlserver_note(settings: dict) -> str:
+    """How the MLServer baseline ran, for the reader of the report."""
+    heap = ", its start-up heap frozen as headrace's workers do" if settings.get(
+        "mlserver_freeze_heap") else ""  # fmt: skip
+    return (
+        "MLServer 1.7.1 in its Kafka mode, in its own environment: a custom runtime doing "
+        "the same Feast read (`get_online_features` of the same service and SQLite store, "
+        "once per batch, no cache) and the same ONNX run per adaptive batch (up to "
+        f"{settings['max_batch_size']} events within {settings.get('mlserver_batch_time_ms')} "
+        f"ms), inference inline (`parallel_workers: 0`){heap}. MLServer's Kafka mode reads "
+        "V2 inference JSON, not Avro: it is sent the same events as V2 JSON (one input per "
+        "field) and answers V2 JSON. Latency is measured as for the others, from each "
+        "input's Kafka timestamp, which a shim hands to the runtime "
+        "(`tools/bench/mlserver/serve.py`)."
+    )
 
 
 def _systems_markdown(systems: dict) -> list[str]:
@@ -371,6 +452,7 @@ def _plot(steps: list[StepResult], budget_ms: float, path: Path) -> None:
         ("headrace", "tab:blue"),
         ("bare", "tab:green"),
         ("naive", "tab:red"),
+        ("mlserver", "tab:purple"),
         ("kafka", "tab:gray"),
     )
     for system, colour in systems:

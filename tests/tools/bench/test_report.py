@@ -34,3 +34,47 @@ def test_the_overload_report_has_a_row_per_load_with_counts_per_status(tmp_path)
     assert cells[10] == "-"  # nothing degraded
     assert float(cells[11]) >= 299
     assert cells[12] == "yes"  # the OK answers' p99 (20 ms) is within 250 ms
+
+
+def _step(system: str, rate: float, latency_us: list[int], cpu_us: float) -> StepResult:
+    return StepResult(
+        system=system, offered_per_s=rate, measured=len(latency_us), answered=len(latency_us),
+        unanswered=0, achieved_per_s=rate, latency=LatencySummary.of(np.array(latency_us)),
+        statuses={"OK": len(latency_us)}, send_lag_ms=0.0, within_budget=True,
+        overloaded=False, cpu_us_per_event={"worker": cpu_us},
+    )  # fmt: skip
+
+
+def test_the_verdicts_compare_headrace_with_mlserver_and_report_its_figures(tmp_path):
+    steps = [
+        _step("kafka", 100.0, [2_000, 3_000], 0.0),
+        _step("headrace", 100.0, [5_000, 6_000], 900.0),
+        _step("headrace", 1_200.0, [9_000, 10_000], 300.0),
+        _step("bare", 1_000.0, [8_000, 9_000], 250.0),
+        _step("mlserver", 100.0, [8_000, 12_000], 2_500.0),
+        _step("mlserver", 400.0, [20_000, 30_000], 1_100.0),
+    ]
+    systems = {
+        "headrace": {"sustainable_per_s": 1_200.0},
+        "bare": {"sustainable_per_s": 1_000.0},
+        "mlserver": {"sustainable_per_s": 400.0, "idle_cores": 0.004},
+    }
+    results = {"settings": BenchSettings().model_dump(mode="json"), "steps": steps,
+               "systems": systems, "onnx": [], "elapsed_s": 1.0}  # fmt: skip
+    text = write_reports(results, tmp_path)["markdown"].read_text()
+    assert "MLServer Kafka mode 400/s" in text
+    assert "- Faust / MLServer sustainable: 3.00 (target >= 3): met." in text
+    assert "- bare / MLServer sustainable: 2.50 (target >= 3): NOT met." in text
+    assert "- MLServer: light load (100/s) p50 8.0 ms" in text
+    assert "CPU per event at its sustainable rate 1,100.00 µs" in text
+    assert "up to 64 events within 2.0 ms" in text
+
+
+def test_a_skipped_mlserver_baseline_says_why(tmp_path):
+    systems = {"mlserver": {"skipped": "could not install MLServer (exit 1):\npip said no"}}
+    results = {"settings": BenchSettings().model_dump(mode="json"), "steps": [],
+               "systems": systems, "onnx": [], "elapsed_s": 1.0}  # fmt: skip
+    text = write_reports(results, tmp_path)["markdown"].read_text()
+    assert "MLServer Kafka mode skipped" in text
+    assert "- MLServer baseline skipped: could not install MLServer (exit 1):" in text
+    assert "Faust / MLServer" not in text

@@ -21,6 +21,8 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
         refine_steps=1,
         repeats=1,
         idle_s=0.5,
+        # Not MLServer: it needs its own environment, built from PyPI (never by the tests).
+        systems=("kafka", "headrace", "bare", "naive"),
         bootstrap_servers=kafka.bootstrap_servers,
         # The session's assets folder: the trained model is reused.
         state_dir=sample_assets.repo.parent,
