@@ -305,7 +305,9 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     logging.getLogger().setLevel({"warn": "WARNING"}.get(log_level, log_level.upper()))
     with ExitStack() as resources:
-        publisher = Publisher(config.broker.bootstrap_servers)
+        # Sized by the limits of the topics it writes (read from Kafka: blocks briefly).
+        written = [t for p in config.pipelines for t in (p.output_topic, p.dead_letter_topic)]
+        publisher = Publisher(config.broker, written)
         publisher.start()
         resources.callback(publisher.stop)
         wired = wire_pipelines(config, publisher, resources)

@@ -30,6 +30,17 @@ class BrokerConfig(_Frozen):
     (less CPU per event, in the worker and the broker) for at most this much latency."""
     fetch_min_bytes: int = Field(16_384, ge=1, le=50_000_000)
     """Bytes a fetch waits for (up to `fetch_max_wait_ms`) before the broker answers."""
+    max_partition_fetch_bytes: int = Field(1_048_576, ge=1_024, le=1_000_000_000)
+    """Bytes one fetch asks of each partition (both runtimes). A larger record is still
+    fetched, whole and alone (brokers return a fetch's first record batch whatever its
+    size), so this bounds what a fetch buffers, not the largest input."""
+    fetch_max_bytes: int = Field(52_428_800, ge=1_000_000, le=1_000_000_000)
+    """Bytes one fetch asks in all, over its partitions (same exception; librdkafka
+    wants at least 1,000,000)."""
+    max_message_bytes: int | None = Field(None, ge=1_024, le=1_000_000_000)
+    """Largest record batch the worker writes to any topic. None (default): each output
+    and dead-letter topic's own `max.message.bytes`, read from Kafka at start; set it
+    where the worker may not read topic configs."""
 
 
 class PriorityConfig(_Frozen):

@@ -8,4 +8,5 @@ class ConfigError(HeadraceError):
 
 
 class PublishError(HeadraceError):
-    """Kafka did not accept an outcome record within the producer's delivery timeout."""
+    """Kafka cannot take a batch's outcome records now (a broker away, a topic gone), or
+    not even the smallest dead letter of one of them."""

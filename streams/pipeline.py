@@ -31,7 +31,8 @@ from streams.config import PipelineConfig
 from streams.encode import AnswerEncoder
 from streams.errors import ConfigError
 from streams.infer import Model
-from streams.publish import Publisher, dead_letter
+from streams.outgoing import Outgoing, dead_letter
+from streams.publish import Publisher
 from streams.records import Item, OutRecord
 
 
@@ -47,6 +48,8 @@ class Prepared:
     timings: dict[str, int] = field(default_factory=dict)
     run_seconds: dict[Route, float] = field(default_factory=dict)
     """Seconds of each model run (full, fallback) of the batch."""
+    outgoing: Outgoing | None = None
+    """Its outcome records once encoded, with what Kafka acknowledged of them."""
 
     def count(self, route: Route) -> int:
         return sum(1 for item in self.admitted if item.route is route)
@@ -182,9 +185,14 @@ class Pipeline:
         them all."""
         measure = self.metrics
         started = time.perf_counter()
-        outcomes = self._outcomes(prepared)
+        if prepared.outgoing is None:  # else a retry: it sends only what was not written
+            spec = self.config
+            prepared.outgoing = Outgoing(
+                self._outcomes(prepared), [item.record for item in prepared.items], spec.name,
+                spec.dead_letter_topic,
+            )  # fmt: skip
         encoded = time.perf_counter()
-        await self._publisher.publish(outcomes)
+        await self._publisher.publish(prepared.outgoing)
         published = time.perf_counter()
 
         measure.stage["encode"].observe(encoded - started)
@@ -234,10 +242,12 @@ class Pipeline:
         groups: dict[tuple[str, str | None, str | None], int] = {}
         latencies: dict[str, list[float]] = {}
         use_cache = self.admission.ladder.answer_cache
-        for item in prepared.items:
+        # Outcomes the publisher had to write as dead letters (too large), by index.
+        rewritten = prepared.outgoing.rewritten if prepared.outgoing is not None else {}
+        for index, item in enumerate(prepared.items):
             latency_s = max(0.0, now_s - item.record.timestamp_ms / 1000)
-            if item.error is not None:
-                measure.dead_letter(item.error.reason)
+            if item.error is not None or index in rewritten:
+                measure.dead_letter(rewritten.get(index) or item.error.reason)
                 latencies.setdefault("DEAD_LETTER", []).append(latency_s)
                 continue
             route = item.route

@@ -1,10 +1,43 @@
-"""Publish: outcome records written with confluent-kafka, delivery awaited; and the
-dead-letter record of an input that cannot be answered.
+"""Publish: a batch's outcome records written with confluent-kafka, each record's
+delivery tracked, and what Kafka refuses replaced by a form that fits
+(`streams/outgoing.py`).
 
-librdkafka delivers in its own threads and reports through callbacks served by
-`poll()`; one thread owned by the publisher polls. A batch's callbacks count down in
-that thread and the last one resolves the batch's future on the loop that produced
-it. Idempotence keeps records of one partition in order across retries.
+Delivery. librdkafka delivers in its own threads and reports each record through a
+callback served by `poll()`; one thread owned by the publisher polls. A batch's reports
+mark its records delivered in that thread and the last one wakes the loop that
+produced them, once per batch. The batch (`Outgoing`) keeps what Kafka acknowledged:
+a retry sends only the rest, never an outcome already written.
+
+Sizes. A topic takes record batches of up to its `max.message.bytes`, read from Kafka
+at start (or `broker.max_message_bytes`). The producer's `message.max.bytes` is the
+largest of those limits and its `batch.size` the smallest, so librdkafka accepts what
+some topic takes and never groups records into a batch a topic refuses. A record that
+does not fit its own topic is replaced by a smaller form before it is sent.
+
+Refusals. A record batch Kafka refuses anyway (a topic's limit lowered while the
+worker runs, a record it finds invalid) fails every record in it, guilty or not. The
+undelivered records are then sent again in halves, each half written before the next
+is sent, until a record refused on its own is found; that one is replaced by a
+smaller form (reason `too_large`, or `unpublishable`) and the others are written as
+they are. Any other failure (a broker away, a topic gone) raises PublishError for the
+runner to retry with backoff; only a Kafka that stays unwritable ends the worker.
+
+Order per key. Outcomes of one key go to one partition and must stay in their order
+there. librdkafka's idempotent producer keeps a partition's records in order through
+its own retries and reports a record failed only when it gives up on it. When it gives
+up on a refused record batch, it would go on to write the records queued behind it (on
+the test broker: 10 records, 1 refused, 10 more: the last 10 were written after the
+gap), and our retry of the refused batch's innocent records would then land after
+later records of their keys. `enable.gapless.guarantee` prevents that: on such a
+refusal the producer fails everything it has not written and stops for good, so no
+record passes a failed one of its partition. The publisher then starts a new producer
+(reading the topics' limits again: a refusal is how a lowered limit shows) and sends
+the undelivered records again in their order; when it splits them it writes a half
+before sending the next. The runner publishes a pipeline's batches one after another,
+so no later batch passes a failed one either. Not covered: records that time out
+(`delivery.timeout.ms`, a broker away that long). A batch's records are produced
+within a millisecond and time out together, but a broker back within that millisecond
+could take the later ones before the retry writes the earlier ones.
 """
 
 from __future__ import annotations
@@ -12,15 +45,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
-from schemas.errors import DecodeError
-from schemas.validation import InvalidEventError
+from streams.config import BrokerConfig
 from streams.errors import PublishError
-from streams.records import InputRecord, OutRecord
+from streams.outgoing import TOO_LARGE, UNPUBLISHABLE, Outgoing, wire_bytes
+from streams.records import OutRecord
 
 log = logging.getLogger(__name__)
 
@@ -30,71 +65,272 @@ DEFAULT_PRODUCER_CONFIG: dict[str, Any] = {
     # Latency first: send almost at once, still batching what arrives together.
     "linger.ms": 1,
     "delivery.timeout.ms": 30_000,
+    # A refused record batch stops the producer rather than let later records of its
+    # partition pass the refused ones (see "Order per key" above).
+    "enable.gapless.guarantee": True,
 }
+# librdkafka's own `batch.size` default, kept where every topic takes more.
+MAX_BATCH_BYTES = 1_000_000
+# A topic's limit when it cannot be read: librdkafka's default `message.max.bytes`,
+# below Kafka's default `max.message.bytes` (1,048,588).
+FALLBACK_LIMIT_BYTES = 1_000_000
+
+# Consecutive attempts that fail only because the producer stopped, before giving up
+# to the runner's backoff.
+_MAX_RESTARTS = 3
+
+# A record batch refused for what it holds: sent alone, the record at fault is found.
+_SIZE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+_REFUSED = _SIZE | {KafkaError.INVALID_RECORD, KafkaError.INVALID_TIMESTAMP}
+# A record failed for another's sake: its producer stopped (gapless) or purged it.
+_STOPPED = frozenset(
+    {
+        KafkaError._FATAL,
+        KafkaError._GAPLESS_GUARANTEE,
+        KafkaError._PURGE_QUEUE,
+        KafkaError._PURGE_INFLIGHT,
+        KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+    }
+)
 
 
-def dead_letter(record: InputRecord, error: DecodeError, pipeline: str, topic: str) -> OutRecord:
-    """The input's own key and bytes, with why and where it came from in headers."""
-    log.warning(
-        "dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, error
+def topic_limits(bootstrap_servers: str, topics: Sequence[str], timeout_s: float = 10.0) -> dict:
+    """Each topic's `max.message.bytes` (its own, or the broker's default), read with
+    the admin API. Blocks up to about `timeout_s`; KafkaException when it cannot."""
+    admin = AdminClient(
+        {
+            "bootstrap.servers": bootstrap_servers,
+            "socket.connection.setup.timeout.ms": max(1_000, int(timeout_s * 1000)),
+        }
     )
-    headers = [
-        ("headrace.error.reason", error.reason.encode()),
-        ("headrace.error.message", str(error).encode()),
-        ("headrace.pipeline", pipeline.encode()),
-        ("headrace.input.topic", record.topic.encode()),
-        ("headrace.input.partition", str(record.partition).encode()),
-        ("headrace.input.offset", str(record.offset).encode()),
-    ]
-    if isinstance(error, InvalidEventError):
-        headers.append(("headrace.error.rule", f"{error.field}.{error.rule}".encode()))
-    return OutRecord(topic, record.key, record.value, headers)
+    resources = [ConfigResource(ResourceType.TOPIC, topic) for topic in topics]
+    futures = admin.describe_configs(resources, request_timeout=timeout_s)
+    limits = {}
+    for resource, future in futures.items():
+        entries = future.result(timeout=timeout_s)
+        limits[resource.name] = int(entries["max.message.bytes"].value)
+    return limits
+
+
+class _Producer:
+    """One librdkafka producer, and whether it stopped for good (a fatal error)."""
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self.stopped = False
+
+    def poll(self, timeout_s: float) -> None:
+        try:
+            self.producer.poll(timeout_s)
+        except KafkaException as exc:  # confluent-kafka raises a fatal error from poll
+            if not self.stopped:
+                log.warning("Kafka producer stopped: %s", exc.args[0].str())
+            self.stopped = True
 
 
 class Publisher:
-    """`await publish(records)` returns once Kafka has acknowledged every record."""
+    """`await publish(batch)` returns once Kafka has acknowledged every record of the
+    batch, itself or a dead letter in its place. Writes to `topics` (each pipeline's
+    output and dead-letter topics), whose size limits it reads when constructed
+    (blocks up to ~10 s); `make_producer` and `read_limits` are for tests."""
 
-    def __init__(self, bootstrap_servers: str, overrides: dict[str, Any] | None = None) -> None:
-        config = {**DEFAULT_PRODUCER_CONFIG, "bootstrap.servers": bootstrap_servers}
-        self._producer = Producer({**config, **(overrides or {})})
+    def __init__(
+        self,
+        broker: BrokerConfig,
+        topics: Iterable[str],
+        overrides: Mapping[str, Any] | None = None,
+        *,
+        make_producer: Callable[[dict[str, Any]], Any] = Producer,
+        read_limits: Callable[[Sequence[str]], Mapping[str, int]] | None = None,
+    ) -> None:
+        self._bootstrap_servers = broker.bootstrap_servers
+        self._fixed_limit = broker.max_message_bytes
+        self._topics = sorted(set(topics))
+        self._read_limits = read_limits or partial(topic_limits, broker.bootstrap_servers)
+        self._overrides = dict(overrides or {})
+        self._make_producer = make_producer
+        self.limits: dict[str, int] = self._limits(FALLBACK_LIMIT_BYTES)
+        """Each written topic's largest record batch, in bytes."""
+        self._current = self._new_producer()
+        # Replaced producers, polled until each has reported every record it held.
+        self._retiring: list[_Producer] = []
+        self._retiring_lock = threading.Lock()
+        self._restarting = asyncio.Lock()
         self._stopping = threading.Event()
         self._poller: threading.Thread | None = None
+
+    def _limits(self, fallback: int | None) -> dict[str, int]:
+        """The topics' limits, read again; where they cannot be read, `fallback` for
+        each (None: the limits known so far)."""
+        if self._fixed_limit is not None:
+            return dict.fromkeys(self._topics, self._fixed_limit)
+        try:
+            return {topic: int(size) for topic, size in self._read_limits(self._topics).items()}
+        except Exception as exc:  # any failure to read: a conservative limit, not an exit
+            kept = self.limits if fallback is None else dict.fromkeys(self._topics, fallback)
+            log.warning(
+                "could not read max.message.bytes of %s (%s); writing records of at most "
+                "%s bytes; hint: set broker.max_message_bytes where the worker may not "
+                "read topic configs", self._topics, exc, min(kept.values(), default=fallback),
+            )  # fmt: skip
+            return kept
+
+    def _new_producer(self) -> _Producer:
+        limits = self.limits.values()
+        config = {
+            **DEFAULT_PRODUCER_CONFIG,
+            "bootstrap.servers": self._bootstrap_servers,
+            # librdkafka refuses locally what no topic takes, and builds no record batch
+            # larger than the smallest topic limit (a larger record is still sent alone).
+            "message.max.bytes": max(limits, default=FALLBACK_LIMIT_BYTES),
+            "batch.size": min([MAX_BATCH_BYTES, *limits]),
+            **self._overrides,
+        }
+        return _Producer(self._make_producer(config))
 
     def start(self) -> None:
         if self._poller is None:
             self._poller = threading.Thread(target=self._poll, name="kafka-delivery", daemon=True)
             self._poller.start()
 
-    async def publish(self, records: Sequence[OutRecord]) -> None:
-        """Produce `records` in order, wait for every delivery; raise PublishError on a failure."""
-        if not records:
+    async def publish(self, batch: Outgoing) -> None:
+        """Write the records of `batch` Kafka has not acknowledged yet, in order;
+        returns once each is acknowledged, itself or a dead letter in its place
+        (`batch.rewritten`). Raises PublishError when Kafka cannot take them now (a
+        broker away, a topic gone); `batch` keeps what was acknowledged, so calling
+        again sends only the rest."""
+        pending = batch.undelivered()
+        if pending:
+            await self._write(batch, pending)
+
+    async def _write(self, batch: Outgoing, indexes: list[int]) -> None:
+        """Write the records `indexes` (undelivered, in batch order) or raise."""
+        restarts = 0
+        suspects: set[int] = set()
+        while True:
+            failures = await self._attempt(batch, indexes)
+            if not failures:
+                return
+            pending = [index for index in indexes if not batch.delivered[index]]
+            codes = {index: failures[index].code() for index in pending}
+            broken = [index for index in pending if codes[index] not in _REFUSED | _STOPPED]
+            if broken or restarts >= _MAX_RESTARTS:
+                first = failures[(broken or pending)[0]]
+                raise PublishError(
+                    f"{len(pending)} of {len(batch)} records were not delivered "
+                    f"({first.str()}); the {len(batch) - len(batch.undelivered())} delivered "
+                    "are not sent again"
+                )
+            refused = [index for index in pending if codes[index] in _REFUSED]
+            if not refused:
+                # Failed only because the producer stopped (for another record's refusal,
+                # maybe of another batch): send them again, in order, on its successor.
+                restarts += 1
+                indexes = pending
+                continue
+            restarts = 0
+            if len(pending) == 1:
+                (index,) = pending
+                if index not in suspects:
+                    # Refused in a record batch that may have held another batch's records
+                    # (one topic, published at once): once more before it is the one at fault.
+                    suspects.add(index)
+                    indexes = pending
+                    continue
+                record, error = batch.records[index], failures[index]
+                batch.reduce(
+                    index,
+                    TOO_LARGE if error.code() in _SIZE else UNPUBLISHABLE,
+                    f"{record.topic} refused its {wire_bytes(record)} bytes: {error.str()}",
+                )
+                indexes = pending
+                continue
+            # Several failed with the record batch that held them: find the one at fault.
+            # Each half is written before the next is sent, so none passes an earlier one.
+            half = len(pending) // 2
+            await self._write(batch, pending[:half])
+            await self._write(batch, pending[half:])
             return
-        delivery = _BatchDelivery(asyncio.get_running_loop(), len(records))
-        for record in records:
-            while True:
-                try:
-                    self._producer.produce(
-                        record.topic,
-                        record.value,
-                        record.key,
-                        headers=record.headers,
-                        on_delivery=delivery.on_delivery,
-                    )
+
+    async def _attempt(self, batch: Outgoing, indexes: list[int]) -> dict[int, KafkaError]:
+        """Produce the records `indexes` once, in order, and wait for every report; the
+        failures by index (the delivered ones are marked in `batch`)."""
+        current = self._current
+        produce = current.producer.produce
+        delivery = _Delivery(asyncio.get_running_loop(), batch)
+        failures: dict[int, KafkaError] = {}
+        sent = 0
+        try:
+            for position, index in enumerate(indexes):
+                record = self._fitting(batch, index)
+                while True:
+                    try:
+                        produce(
+                            record.topic,
+                            record.value,
+                            record.key,
+                            headers=record.headers,
+                            on_delivery=partial(delivery.report, index),
+                        )
+                        sent += 1
+                        break
+                    except BufferError:
+                        # librdkafka's local queue is full: let deliveries drain it, then retry.
+                        await asyncio.sleep(0.005)
+                    except KafkaException as exc:
+                        error = exc.args[0]
+                        if error.code() not in _SIZE:
+                            # The producer stopped, or cannot write that topic: so for the rest.
+                            failures.update(dict.fromkeys(indexes[position:], error))
+                            break
+                        # librdkafka's own count found it too large.
+                        record = batch.reduce(index, TOO_LARGE, error.str())
+                if failures:
                     break
-                except BufferError:
-                    # librdkafka's local queue is full: let deliveries drain it, then retry.
-                    await asyncio.sleep(0.005)
-                except KafkaException as exc:
-                    raise PublishError(f"cannot produce to {record.topic!r}: {exc}") from exc
-        failures = await delivery.done
-        if failures:
-            raise PublishError(
-                f"{len(failures)} of {len(records)} records were not delivered: {failures[0]}"
+        finally:
+            # Even when giving up half way (no form of a record fits), wait for what was
+            # produced: a retry must never send again a record still in flight.
+            failures.update(await delivery.seal(sent))
+        codes = {error.code() for error in failures.values()}
+        if current.stopped or codes & (_STOPPED | _REFUSED):
+            # A refusal stops a gapless producer: its successor takes the retry.
+            await self._restart(current)
+        return failures
+
+    def _fitting(self, batch: Outgoing, index: int) -> OutRecord:
+        """Record `index`, replaced by a smaller form while it does not fit its topic."""
+        record = batch.records[index]
+        limit = self.limits.get(record.topic)
+        while limit is not None and (size := wire_bytes(record)) > limit:
+            record = batch.reduce(
+                index, TOO_LARGE, f"its {size} bytes exceed {record.topic}'s limit of {limit}"
             )
+            limit = self.limits.get(record.topic)
+        return record
+
+    async def _restart(self, stopped: _Producer) -> None:
+        """Replace a stopped producer (once, whichever batch sees it first); it is polled
+        until it has reported every record it held."""
+        async with self._restarting:
+            if stopped is not self._current:
+                return
+            if self._fixed_limit is None:
+                self.limits = await asyncio.to_thread(self._limits, None)
+            successor = self._new_producer()
+            with self._retiring_lock:
+                self._retiring.append(stopped)
+            self._current = successor
+            log.warning("a new Kafka producer takes over; topic limits: %s", self.limits)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Deliver what is queued (up to `timeout_s`), then stop the poll thread. Safe twice."""
-        self._producer.flush(timeout_s)
+        with self._retiring_lock:
+            retiring, self._retiring = self._retiring, []
+        for held in (self._current, *retiring):
+            try:
+                held.producer.flush(timeout_s)
+            except KafkaException as exc:  # a stopped producer raises its fatal error once
+                log.warning("Kafka producer stopped: %s", exc.args[0].str())
         self._stopping.set()
         if self._poller is not None:
             self._poller.join()
@@ -102,27 +338,52 @@ class Publisher:
 
     def _poll(self) -> None:
         while not self._stopping.is_set():
-            self._producer.poll(0.05)
+            self._current.poll(0.05)
+            if self._retiring:
+                with self._retiring_lock:
+                    retiring = list(self._retiring)
+                for old in retiring:
+                    old.poll(0)
+                    if len(old.producer) == 0:
+                        with self._retiring_lock:
+                            if old in self._retiring:
+                                self._retiring.remove(old)
 
 
-class _BatchDelivery:
-    """Counts the delivery reports of one batch in the poll thread and wakes the loop
-    once, when the last one arrives: one hand-off per batch instead of one per record."""
+class _Delivery:
+    """The delivery reports of one attempt: each marks its record in the batch (in the
+    poll thread); the last one wakes the loop, once."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, count: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, batch: Outgoing) -> None:
         self._loop = loop
-        self._pending = count
-        self._failures: list[str] = []
-        self.done: asyncio.Future[list[str]] = loop.create_future()
+        self._delivered = batch.delivered
+        self._lock = threading.Lock()
+        self._expected: int | None = None
+        self._reported = 0
+        self._failures: dict[int, KafkaError] = {}
+        self._done: asyncio.Future[dict[int, KafkaError]] = loop.create_future()
 
-    def on_delivery(self, error, _message) -> None:
+    def report(self, index: int, error: KafkaError | None, _message: Any) -> None:
         # Runs in the poll thread only (librdkafka serves callbacks from `poll`).
-        if error is not None:
-            self._failures.append(str(error))
-        self._pending -= 1
-        if self._pending == 0:
+        if error is None:
+            self._delivered[index] = True
+        else:
+            self._failures[index] = error
+        with self._lock:
+            self._reported += 1
+            last = self._reported == self._expected
+        if last:
             self._loop.call_soon_threadsafe(self._settle)
 
+    def seal(self, expected: int) -> asyncio.Future[dict[int, KafkaError]]:
+        """Called once every record of the attempt was produced: `expected` reports."""
+        with self._lock:
+            self._expected = expected
+            last = self._reported == expected
+        if last:
+            self._settle()
+        return self._done
+
     def _settle(self) -> None:
-        if not self.done.done():  # not cancelled meanwhile
-            self.done.set_result(self._failures)
+        if not self._done.done():  # not cancelled meanwhile
+            self._done.set_result(self._failures)

@@ -230,6 +230,9 @@ class PipelineRunner:
             await inference
             self._publish_wait.observe(self._clock() - queued)
             started = self._clock()
+            # Records Kafka refuses are dead-lettered by the publisher; what it retries
+            # here is Kafka being unwritable for now, and each retry sends only the
+            # outcomes Kafka has not acknowledged (`prepared.outgoing` keeps them).
             await self._retrying(batch.records, "publish", self.pipeline.publish, prepared)
             self._ack([item.handle for item in batch.items])
             done = self._clock()

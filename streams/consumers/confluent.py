@@ -48,6 +48,9 @@ class BareConsumer:
                 "queued.max.messages.kbytes": 8192,
                 "fetch.wait.max.ms": config.broker.fetch_max_wait_ms,
                 "fetch.min.bytes": config.broker.fetch_min_bytes,
+                # Soft bounds: a larger record still comes, whole, as a fetch of its own.
+                "max.partition.fetch.bytes": config.broker.max_partition_fetch_bytes,
+                "fetch.max.bytes": config.broker.fetch_max_bytes,
             }
         )
         self._max_chunk = max(p.max_batch_size for p in config.pipelines)

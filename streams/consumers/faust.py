@@ -27,6 +27,10 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, log_level: str) -> No
     app = FeedApp(
         config.app_id,
         fetch=(config.broker.fetch_max_wait_ms, config.broker.fetch_min_bytes),
+        fetch_max_bytes=config.broker.fetch_max_bytes,
+        # aiokafka's max_partition_fetch_bytes. Soft, like fetch_max_bytes: a larger
+        # record still comes, whole, as a fetch of its own.
+        consumer_max_fetch_size=config.broker.max_partition_fetch_bytes,
         broker=f"kafka://{config.broker.bootstrap_servers}",
         store="memory://",
         datadir=tempfile.mkdtemp(prefix="headrace-faust-"),

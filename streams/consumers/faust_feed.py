@@ -55,6 +55,7 @@ class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
         consumer = super()._create_worker_consumer(transport)
         # Read by aiokafka when the consumer starts (its fetcher's first settings).
         consumer._fetch_max_wait_ms, consumer._fetch_min_bytes = IDLE_FETCH
+        consumer._fetch_max_bytes = self.app.fetch_max_bytes  # Faust has no setting for it
         return consumer
 
     def fetched(self, count: int) -> None:
@@ -133,11 +134,15 @@ class BulkTransport(faust_aiokafka.Transport):
 class FeedApp(faust.App):
     """A Faust app whose agents can take their topic's records a fetch at a time."""
 
-    def __init__(self, *args: Any, fetch: tuple[int, int], **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, fetch: tuple[int, int], fetch_max_bytes: int, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.feeds: dict[str, asyncio.Queue] = {}
         self.fetch = fetch
         """(fetch_max_wait_ms, fetch_min_bytes) of a busy fetch (the broker config's)."""
+        self.fetch_max_bytes = fetch_max_bytes
+        """aiokafka's fetch_max_bytes: what one fetch asks in all."""
 
     def add_feed(self, topic: faust.types.TopicT) -> None:
         """Deliver `topic`'s records to `take` instead of a stream; subscribes to it."""

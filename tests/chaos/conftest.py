@@ -1,0 +1,125 @@
+"""Deployments for fault tests: the sample pipeline with topics created with the
+configs a fault needs (an input topic that accepts 5 MB records), and a reader that
+counts the outcomes of each input over the whole output and dead-letter topics."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+import pytest
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from infra.topics import delete_topics
+from models.train import fallback_path
+from tests.conftest import Deployment
+from tests.helpers import PATIENT_BUDGET_MS
+from tools.collector import Outcomes
+from tools.deploy import sample_config, write_config
+
+# An input topic that accepts records of up to 8 MiB (Kafka's default is about 1 MB).
+BIG_INPUT_BYTES = 8 * 1024 * 1024
+
+
+def create_topics(bootstrap: str, topics: Mapping[str, tuple[int, dict[str, str]]]) -> None:
+    """Create each topic with its partition count and configs (set at creation, so that
+    no producer can race a config change)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    wanted = [
+        NewTopic(name, num_partitions=partitions, replication_factor=1, config=configs)
+        for name, (partitions, configs) in topics.items()
+    ]
+    for future in admin.create_topics(wanted, operation_timeout=30, request_timeout=30).values():
+        future.result(timeout=60)
+
+
+@pytest.fixture
+def chaos_deploy(kafka, sample_assets, tmp_path):
+    """Factory: `chaos_deploy(runtime, input_configs={...}, **sample_config overrides)`:
+    the sample pipeline on its own topics (input: 3 partitions with `input_configs`;
+    output: 3 partitions; dead letters: 1), answering patiently (no deadline shedding)."""
+    created: list[str] = []
+
+    def make(runtime: str, input_configs: dict[str, str] | None = None, **overrides) -> Deployment:
+        suffix = f"-{uuid.uuid4().hex[:8]}"
+        overrides.setdefault("fallback_model", fallback_path(sample_assets.model))
+        overrides.setdefault("latency_budget_ms", PATIENT_BUDGET_MS)
+        raw = sample_config(kafka.bootstrap_servers, sample_assets.repo, sample_assets.model,
+                            suffix=suffix, runtime=runtime, **overrides)  # fmt: skip
+        config_file = tmp_path / f"headrace{suffix}.yaml"
+        config = write_config(raw, config_file)
+        spec = config.pipelines[0]
+        topics = {
+            spec.input_topic: (3, input_configs or {}),
+            spec.output_topic: (3, {}),
+            spec.dead_letter_topic: (1, {}),
+        }
+        created.extend(topics)
+        create_topics(kafka.bootstrap_servers, topics)
+        return Deployment(config, config_file, tmp_path / f"worker{suffix}.log")
+
+    yield make
+    if created:
+        delete_topics(kafka.bootstrap_servers, created)
+
+
+def produce_in_order(
+    bootstrap: str, topic: str, values: Iterable[tuple[bytes, bytes]], partition: int
+) -> list[int]:
+    """Write (key, value) records to one partition in order; return their offsets."""
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "enable.idempotence": True,
+            "message.max.bytes": BIG_INPUT_BYTES,
+            "linger.ms": 5,
+        }
+    )
+    offsets: dict[int, int] = {}
+
+    def delivered(index: int):
+        def report(error, message) -> None:
+            if error is not None:
+                raise KafkaException(error)
+            offsets[index] = message.offset()
+
+        return report
+
+    count = 0
+    for index, (key, value) in enumerate(values):
+        producer.produce(topic, value, key, partition=partition, on_delivery=delivered(index))
+        count += 1
+    assert producer.flush(60) == 0
+    return [offsets[index] for index in range(count)]
+
+
+def outcomes_per_input(outcomes: Outcomes, input_topic: str) -> Counter:
+    """(partition, offset) of each input -> how many outcomes name it, over the whole
+    output and dead-letter topics as read."""
+    counts: Counter = Counter()
+    for answer in outcomes.predictions:
+        if answer["input_topic"] == input_topic:
+            counts[(answer["input_partition"], answer["input_offset"])] += 1
+    for letter in outcomes.dead_letters:
+        if letter.headers.get("headrace.input.topic") == input_topic:
+            where = (int(letter.headers["headrace.input.partition"]),
+                     int(letter.headers["headrace.input.offset"]))  # fmt: skip
+            counts[where] += 1
+    return counts
+
+
+def input_offsets(bootstrap: str, topic: str) -> set[tuple[int, int]]:
+    """Every (partition, offset) of `topic` from its watermarks (no transactions write
+    these topics, so offsets are contiguous)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"offsets-{uuid.uuid4()}"})
+    try:
+        metadata = consumer.list_topics(topic, timeout=30).topics[topic]
+        offsets = set()
+        for partition in metadata.partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), 30)
+            offsets.update((partition, offset) for offset in range(low, high))
+        return offsets
+    finally:
+        consumer.close()
