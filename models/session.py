@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -44,6 +45,8 @@ def load_session(config: ModelConfig, device: Device = "cpu"):
     # competes with the consumer and producer threads.
     options.intra_op_num_threads = config.intra_op_threads
     options.inter_op_num_threads = 1
+    # ORT would print each failed run to stderr; every failure becomes a ModelError instead.
+    options.log_severity_level = 4
     available = ort.get_available_providers()
     providers = [p for p in _PROVIDERS[device] if p in available]
     try:
@@ -66,8 +69,31 @@ def signature_of(config: ModelConfig, session) -> Signature:
     try:
         first = session.run([signature.output.tensor], feeds)[0]
     except Exception as exc:
-        raise ModelError(f"{config.path.name} failed on a row of zeros: {exc}") from exc
+        # Where the graph leaves an input's width open, a width that differs from the
+        # config's or the metadata's shows only here.
+        given = ", ".join(f"input {t.name!r} {len(t.columns)} columns" for t in signature.inputs)
+        source = "model.inputs" if config.inputs is not None else "its metadata's feature_names"
+        raise ModelError(
+            f"model {config.path.name} failed on a row of zeros ({given}, from {source}): "
+            f"{_ort_message(exc)}; hint: the usual cause is an input width that differs "
+            f"from {source}: describe the inputs in model.inputs, or export the model again"
+        ) from exc
     return dataclasses.replace(signature, output=signature.output.learn_classes(first))
+
+
+def _ort_message(exc: Exception) -> str:
+    """ONNX Runtime's message without its status prefix: "[ONNXRuntimeError] : 2 :
+    INVALID_ARGUMENT : Non-zero status ... Name:'Scaler' Status Message: Either ..." ->
+    "INVALID_ARGUMENT in node 'Scaler': Either ..."."""
+    found = re.match(
+        r"\[ONNXRuntimeError\] : \d+ : (\w+) : (?:.*Name:'([^']*)' Status Message: )?(.*)",
+        str(exc),
+        re.DOTALL,
+    )
+    if found is None:
+        return str(exc)
+    status, node, message = found.groups()
+    return f"{status}{f' in node {node!r}' if node else ''}: {message.strip()}"
 
 
 class ModelSession:

@@ -243,11 +243,15 @@ def resolve(
                 f"the model's outputs: {_ports(graph_outputs)})"
             )
         output_config = OutputConfig(task="binary", threshold=headrace[2])
-    problems = _input_problems(inputs, graph_inputs) + _default_problems(inputs)
+    problems = _input_problems(inputs, graph_inputs, from_metadata=config.inputs is None)
+    problems += _default_problems(inputs)
     output, output_problems = _output(output_config, graph_outputs)
     problems += output_problems
     if problems:
-        raise ModelError(f"model {path.name} does not fit its config:\n  " + "\n  ".join(problems))
+        described_by = "its config" if config.inputs is not None else "its metadata"
+        raise ModelError(
+            f"model {path.name} does not fit {described_by}:\n  " + "\n  ".join(problems)
+        )
     name = config.name or metadata.get("model_name") or path.stem
     version = config.version or metadata.get("model_version") or "1"
     return Signature(name, version, inputs, output)
@@ -273,7 +277,9 @@ def _ports(ports: Sequence[GraphPort]) -> str:
     return ", ".join(f"{p.name} {p.type} {list(p.shape)}" for p in ports) or "none"
 
 
-def _input_problems(inputs: Sequence[TensorInput], graph: Sequence[GraphPort]) -> list[str]:
+def _input_problems(
+    inputs: Sequence[TensorInput], graph: Sequence[GraphPort], from_metadata: bool = False
+) -> list[str]:
     by_name = {port.name: port for port in graph}
     problems = []
     for tensor in inputs:
@@ -293,9 +299,13 @@ def _input_problems(inputs: Sequence[TensorInput], graph: Sequence[GraphPort]) -
         if len(port.shape) != 2:
             problems.append(f"input {tensor.name!r} has shape {list(port.shape)}: expected 2-D")
         elif isinstance(width, int) and width != len(tensor.columns):
+            given = f"{len(tensor.columns)} ({[c.source for c in tensor.columns]})"
             problems.append(
-                f"input {tensor.name!r} takes {width} columns, the config gives "
-                f"{len(tensor.columns)} ({[c.source for c in tensor.columns]})"
+                f"input {tensor.name!r} takes {width} columns, its metadata's feature_names "
+                f"give {given}; hint: export the model again, or describe its inputs in "
+                "model.inputs"
+                if from_metadata
+                else f"input {tensor.name!r} takes {width} columns, the config gives {given}"
             )
     configured = {tensor.name for tensor in inputs}
     problems += [

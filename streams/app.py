@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from features.lookup import FeatureLookup
 from features.store import open_store
+from infra.kafka_clients import client_settings, list_topics, quiet_repeats
 from infra.topics import ensure_topics
 from models.pool import SessionPool, warmup_sizes
 from models.session import load_session, signature_of
@@ -185,7 +186,10 @@ def wire_pipeline(
     up. Raises ConfigError listing everything that does not fit."""
     found = inspect_pipeline(spec, catalogue, store, resources)
     if found.problems:
-        raise ConfigError(f"pipeline {spec.name} cannot start:\n  " + "\n  ".join(found.problems))
+        # One line per problem (a problem's own list flattened), one line for just one.
+        lines = [" ".join(part.strip() for part in p.splitlines()) for p in found.problems]
+        sep = " " if len(lines) == 1 else "\n  "
+        raise ConfigError(f"pipeline {spec.name} cannot start:{sep}" + "\n  ".join(lines))
     fields, refs = found.fields, found.feature_refs
     model = _model(spec.model, spec, fields, refs, resources)
     fallback = None
@@ -260,16 +264,9 @@ def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoRet
 
 
 def check_topics(config: HeadraceConfig) -> None:
-    """Fail early, naming the topic, when an input or output topic does not exist."""
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient({"bootstrap.servers": config.broker.bootstrap_servers})
-    try:
-        existing = admin.list_topics(timeout=15).topics
-    except Exception as exc:
-        raise ConfigError(
-            f"cannot reach Kafka at {config.broker.bootstrap_servers}: {exc}"
-        ) from exc
+    """Fail early, naming the topic, when an input or output topic does not exist;
+    BrokerUnavailable when Kafka does not answer within `broker.connect_timeout_ms`."""
+    existing = list_topics(config.broker.bootstrap_servers, config.broker.connect_timeout_s)
     for spec in config.pipelines:
         for topic in (spec.input_topic, spec.output_topic, spec.dead_letter_topic):
             if topic not in existing:
@@ -285,7 +282,19 @@ def create_topics(config: HeadraceConfig, partitions: int) -> list[str]:
         wanted[spec.input_topic] = partitions
         wanted[spec.output_topic] = partitions
         wanted[spec.dead_letter_topic] = 1
-    return ensure_topics(config.broker.bootstrap_servers, wanted)
+    return ensure_topics(config.broker.bootstrap_servers, wanted, config.broker.connect_timeout_s)
+
+
+def serve_metrics(config: HeadraceConfig) -> None:
+    """Serve `/metrics` on `metrics.port` (ConfigError, at once, when it is taken)."""
+    try:
+        metrics.serve_metrics(config.metrics.port)
+    except OSError as exc:
+        raise ConfigError(
+            f"metrics.port {config.metrics.port}: cannot serve /metrics ({exc.strerror}); "
+            "hint: another process (a second worker on this host?) listens there: set "
+            "metrics.port to a free port, or 0 for no endpoint"
+        ) from exc
 
 
 def _stop_while_starting(_signum, _frame) -> NoReturn:
@@ -297,6 +306,8 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
     """Run until SIGTERM or SIGINT; on a clean stop every answered input is committed."""
     # Until a runtime installs its own handlers nothing was consumed: a stop is clean.
     signal.signal(signal.SIGTERM, _stop_while_starting)
+    # What can be refused without loading anything, first: the port, then the broker.
+    serve_metrics(config)
     check_topics(config)
     if config.event_loop == "uvloop":
         import uvloop
@@ -305,13 +316,17 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     logging.getLogger().setLevel({"warn": "WARNING"}.get(log_level, log_level.upper()))
     with ExitStack() as resources:
+        bootstrap = config.broker.bootstrap_servers
         # Sized by the limits of the topics it writes (read from Kafka: blocks briefly).
         written = [t for p in config.pipelines for t in (p.output_topic, p.dead_letter_topic)]
-        publisher = Publisher(config.broker, written)
+        publisher = Publisher(
+            config.broker,
+            written,
+            client_settings(bootstrap, "publisher", config.broker.connect_timeout_s),
+        )
         publisher.start()
         resources.callback(publisher.stop)
         wired = wire_pipelines(config, publisher, resources)
-        metrics.serve_metrics(config.metrics.port)
         log.info("headrace worker ready: %d pipeline(s), %s runtime", len(wired), config.runtime)
 
         def make_runner(name: str, in_flight: InFlight, ack: AckBatch) -> PipelineRunner:
@@ -329,5 +344,7 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
             return
         from streams.consumers import faust
 
+        # aiokafka logs each failed connection attempt of an outage (~1,200 lines in 15 s).
+        quiet_repeats(["aiokafka", "faust", "mode"])
         heap.settle_heap()
         faust.serve(config, make_runner, log_level)

@@ -41,6 +41,14 @@ class BrokerConfig(_Frozen):
     """Largest record batch the worker writes to any topic. None (default): each output
     and dead-letter topic's own `max.message.bytes`, read from Kafka at start; set it
     where the worker may not read topic configs."""
+    connect_timeout_ms: int = Field(5_000, ge=1_000, le=300_000)
+    """How long a command (worker, audit, produce, ...) waits at start for the brokers to
+    answer before it reports them unreachable (exit 69); also the longest one connection
+    attempt of a client may take."""
+
+    @property
+    def connect_timeout_s(self) -> float:
+        return self.connect_timeout_ms / 1000
 
 
 class PriorityConfig(_Frozen):

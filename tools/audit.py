@@ -17,8 +17,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_INVALID, Consumer, Message, TopicPartition
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message, TopicPartition
 
+from infra.kafka_clients import client_settings, list_topics, unavailable
 from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError
 from streams.config import HeadraceConfig, PipelineConfig
@@ -29,8 +30,19 @@ STATUSES = ("OK", "DEGRADED", "SHED", "DEAD_LETTER")
 _SHOWN_OFFSETS = 10
 
 
+# Per request once the broker answered (a group's first offsets lookup waits for the
+# coordinator, seconds on a fresh broker); an unreachable broker is found before that.
+_REQUEST_TIMEOUT_S = 30.0
+
+
 class AuditError(HeadraceError):
     """The topics could not be read completely."""
+
+
+class AuditTimeout(AuditError):
+    """The topics were not read to their ends in time."""
+
+    exit_status = 69
 
 
 @dataclass
@@ -104,18 +116,45 @@ class PipelineAudit:
 
 
 def audit(config: HeadraceConfig, timeout_s: float = 120.0) -> list[PipelineAudit]:
-    """Audit every pipeline of `config`; blocks while it reads the topics."""
+    """Audit every pipeline of `config`; blocks while it reads the topics (up to
+    `timeout_s`). BrokerUnavailable when Kafka does not answer within the broker's
+    `connect_timeout_ms` or fails half way; AuditError when a topic does not exist."""
+    broker = config.broker
+    existing = list_topics(broker.bootstrap_servers, broker.connect_timeout_s)
+    for spec in config.pipelines:
+        for topic in (spec.input_topic, spec.output_topic, spec.dead_letter_topic):
+            if topic not in existing:
+                raise AuditError(
+                    f"pipeline {spec.name}: topic {topic!r} does not exist; hint: check the "
+                    "config's topic names (`headrace topics create` makes them)"
+                )
     decoder = answer_decoder(config)
-    return [
-        _audit_pipeline(config.broker.bootstrap_servers, config.app_id, spec, decoder, timeout_s)
-        for spec in config.pipelines
-    ]
+    clients = _Clients(broker.bootstrap_servers, broker.connect_timeout_s)
+    try:
+        return [
+            _audit_pipeline(clients, config.app_id, spec, decoder, timeout_s)
+            for spec in config.pipelines
+        ]
+    except KafkaException as exc:
+        raise unavailable(
+            broker.bootstrap_servers, f"failed during the audit ({exc.args[0].str()})"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class _Clients:
+    bootstrap: str
+    connect_timeout_s: float
+
+    def consumer(self, group: str, **settings) -> Consumer:
+        base = client_settings(self.bootstrap, "audit", self.connect_timeout_s)
+        return Consumer({**base, "group.id": group, **settings})
 
 
 def _audit_pipeline(
-    bootstrap: str, group: str, spec: PipelineConfig, decoder: AvroDecoder, timeout_s: float
+    clients: _Clients, group: str, spec: PipelineConfig, decoder: AvroDecoder, timeout_s: float
 ) -> PipelineAudit:
-    committed = _committed(bootstrap, group, spec.input_topic)
+    committed = _committed(clients, group, spec.input_topic)
     # (partition, offset) -> statuses of the outcomes naming it.
     answers: dict[tuple[int, int], list[str]] = {}
     unreadable = 0
@@ -141,8 +180,8 @@ def _audit_pipeline(
             answers.setdefault(where, []).append("DEAD_LETTER")
 
     deadline = time.monotonic() + timeout_s
-    _read(bootstrap, spec.output_topic, None, on_output, deadline)
-    _read(bootstrap, spec.dead_letter_topic, None, on_dead_letter, deadline)
+    _read(clients, spec.output_topic, None, on_output, deadline)
+    _read(clients, spec.dead_letter_topic, None, on_dead_letter, deadline)
 
     partitions = {p: PartitionAudit(p, offset) for p, offset in committed.items()}
 
@@ -156,7 +195,7 @@ def _audit_pipeline(
             found.duplicated.append(message.offset())
         found.outcomes.update(statuses)
 
-    _read(bootstrap, spec.input_topic, committed, on_input, deadline)
+    _read(clients, spec.input_topic, committed, on_input, deadline)
     # What is left answers inputs not read above: past the committed offsets.
     for (partition, _offset), statuses in answers.items():
         if partition in partitions:
@@ -164,14 +203,15 @@ def _audit_pipeline(
     return PipelineAudit(spec.name, spec.input_topic, list(partitions.values()), unreadable)
 
 
-def _committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+def _committed(clients: _Clients, group: str, topic: str) -> dict[int, int]:
     """The group's committed offset per partition of `topic` (the low watermark if none)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    consumer = clients.consumer(group)
     try:
         partitions = _partitions(consumer, topic)
         offsets = {}
-        for tp in consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=30):
-            low, _high = consumer.get_watermark_offsets(tp, timeout=30)
+        wanted = [TopicPartition(topic, p) for p in partitions]
+        for tp in consumer.committed(wanted, timeout=_REQUEST_TIMEOUT_S):
+            low, _high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)
             offsets[tp.partition] = low if tp.offset == OFFSET_INVALID else max(tp.offset, low)
         return offsets
     finally:
@@ -179,39 +219,36 @@ def _committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
 
 
 def _partitions(consumer: Consumer, topic: str) -> list[int]:
-    metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
+    metadata = consumer.list_topics(topic, timeout=_REQUEST_TIMEOUT_S).topics.get(topic)
     if metadata is None or metadata.error is not None or not metadata.partitions:
         raise AuditError(f"topic {topic!r} does not exist; hint: check the config's topic names")
     return sorted(metadata.partitions)
 
 
 def _read(
-    bootstrap: str,
+    clients: _Clients,
     topic: str,
     ends: dict[int, int] | None,
     handle: Callable[[Message], None],
     deadline: float,
 ) -> None:
     """Hand every record of `topic` below `ends` (default: the current end) to `handle`."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"headrace-audit-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-        }
-    )
+    consumer = clients.consumer(f"headrace-audit-{uuid.uuid4().hex[:8]}", **{
+        "enable.auto.commit": False})  # fmt: skip
     try:
         starts, stops = {}, {}
         for partition in _partitions(consumer, topic):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), 30)
+            where = TopicPartition(topic, partition)
+            low, high = consumer.get_watermark_offsets(where, _REQUEST_TIMEOUT_S)
             starts[partition] = low
             stops[partition] = high if ends is None else min(ends.get(partition, low), high)
         pending = {p for p in starts if stops[p] > starts[p]}
         consumer.assign([TopicPartition(topic, p, starts[p]) for p in pending])
         while pending:
             if time.monotonic() > deadline:
-                raise AuditError(
-                    f"timed out reading {topic!r}; partitions {sorted(pending)} not read to the end"
+                raise AuditTimeout(
+                    f"timed out reading {topic!r}: partitions {sorted(pending)} not read to "
+                    "the end; hint: a large topic needs a longer --timeout"
                 )
             for message in consumer.consume(1000, 0.5):
                 if message.error():

@@ -1,4 +1,12 @@
-"""The `headrace` command line."""
+"""The `headrace` command line.
+
+Exit statuses (README, "Exit statuses"): 0 done; 1 a verdict that failed (`audit`: not
+every committed input has exactly one outcome; `check`: problems found); 2 a usage or
+configuration error (flags, config file, a model that does not fit its config or
+metadata, a missing topic, the metrics port taken); 69 Kafka could not be reached or
+did not answer in time; 70 a worker gave up on a batch it could not write (nothing of it
+committed); 75 `produce`: not every event was delivered; 130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,10 @@ from pathlib import Path
 import click
 
 from schemas.errors import HeadraceError
+
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69
+EXIT_INTERRUPTED = 130
 
 DEFAULT_CONFIG = Path("headrace.yaml")
 DEFAULT_STATE = Path(".headrace")
@@ -135,9 +147,11 @@ def topics() -> None:
 @click.option("--partitions", default=3, show_default=True, help="For input and output topics.")
 def topics_create(config_path: Path, partitions: int) -> None:
     """Create the missing input, output and dead-letter topics."""
+    config = _config(config_path)
+    _broker_topics(config)
     from streams.app import create_topics
 
-    created = create_topics(_config(config_path), partitions)
+    created = create_topics(config, partitions)
     click.echo(f"created: {', '.join(created) or 'nothing (all exist)'}")
 
 
@@ -281,9 +295,11 @@ def init(
 @click.option("-l", "--log-level", default="info", type=click.Choice(["debug", "info", "warn"]))
 def worker(config_path: Path, log_level: str) -> None:
     """Run a worker until SIGTERM or Ctrl-C."""
+    config = _config(config_path)
+    _broker_topics(config)
     from streams.app import run_worker
 
-    run_worker(_config(config_path), log_level)
+    run_worker(config, log_level)
 
 
 @cli.command()
@@ -302,35 +318,85 @@ def produce(
     priority: int | None,
 ) -> None:
     """Send synthetic events at a fixed rate to a sample pipeline's input topic (the
-    example pipelines' events: transactions or clicks, chosen by the input schema)."""
+    example pipelines' events: transactions or clicks, chosen by the input schema).
+    Exits 75 when Kafka did not acknowledge every event, saying how many it did."""
+    config = _config(config_path)
+    spec = _pipeline(config, pipeline_name)
+    _require_topic(config, spec.input_topic)
     from confluent_kafka import Producer
 
     from features.sample_data import SampleWorld
+    from infra.kafka_clients import client_settings
     from tools.answers import event_encoder
-    from tools.loadgen import encoded, events_for, send_at_rate
+    from tools.loadgen import NotDelivered, encoded, events_for, send_at_rate
 
-    config = _config(config_path)
-    spec = _pipeline(config, pipeline_name)
     encoder = event_encoder(config, spec)
-    producer = Producer({"bootstrap.servers": config.broker.bootstrap_servers, "linger.ms": 1})
+    broker = config.broker
+    producer = Producer(
+        {
+            **client_settings(broker.bootstrap_servers, "producer", broker.connect_timeout_s),
+            "linger.ms": 1,
+            "delivery.timeout.ms": _DELIVERY_TIMEOUT_MS,
+        }
+    )
     records = encoded(events_for(spec, SampleWorld(), seed), encoder)
     if priority is not None:
         if spec.priority.header is None:
             raise click.UsageError(f"pipeline {spec.name} reads no priority header")
         header = [(spec.priority.header, str(priority).encode())]
         records = ((key, value, header) for key, value in records)
+    shown = []
+
+    def progress(sent: int) -> None:
+        shown.append(sent)
+        click.echo(f"\rsent {sent}", nl=False, err=True)
+
     report = send_at_rate(
         producer,
         spec.input_topic,
         records,
         rate,
         duration,
-        on_tick=lambda sent: click.echo(f"\rsent {sent}", nl=False, err=True),
+        on_tick=progress,
+        flush_timeout_s=_DELIVERY_TIMEOUT_MS / 1000 + 5,
     )
+    if shown:
+        click.echo(err=True)  # ends the progress line
+    if report.delivered < report.sent:
+        unconfirmed = report.sent - report.delivered - report.failed
+        raise NotDelivered(
+            f"{report.delivered} of {report.sent} events delivered to {spec.input_topic} "
+            f"({report.failed} failed: {report.first_error or 'none'}; {unconfirmed} "
+            "unconfirmed); hint: is the broker up, and does it take records this size?"
+        )
     click.echo(
-        f"\nsent {report.sent} events to {spec.input_topic} in {report.elapsed_s:.1f} s "
-        f"(worst schedule lag {report.max_lag_ms:.1f} ms)"
+        f"delivered {report.delivered} events to {spec.input_topic} in "
+        f"{report.elapsed_s:.1f} s (worst schedule lag {report.max_lag_ms:.1f} ms)"
     )
+
+
+# How long `produce` waits for Kafka to acknowledge an event before counting it failed.
+_DELIVERY_TIMEOUT_MS = 30_000
+
+
+def _broker_topics(config) -> dict:
+    """The cluster's topics; BrokerUnavailable (exit 69) when Kafka does not answer within
+    `broker.connect_timeout_ms`. Commands ask before their heavy imports (Feast, ONNX
+    Runtime: seconds), so an unreachable broker is named at once."""
+    from infra.kafka_clients import list_topics
+
+    return list_topics(config.broker.bootstrap_servers, config.broker.connect_timeout_s)
+
+
+def _require_topic(config, topic: str) -> None:
+    """As `_broker_topics`; and ConfigError for a topic Kafka does not have (a producer
+    would wait for it until every event timed out)."""
+    from streams.errors import ConfigError
+
+    if topic not in _broker_topics(config):
+        raise ConfigError(
+            f"topic {topic!r} does not exist; hint: `headrace topics create -c CONFIG`"
+        )
 
 
 @cli.command()
@@ -342,18 +408,21 @@ def consume(
     config_path: Path, pipeline_name: str | None, max_records: int, from_beginning: bool
 ) -> None:
     """Print a pipeline's answers as JSON lines (a SHED answer's NaN as null)."""
+    config = _config(config_path)
+    spec = _pipeline(config, pipeline_name)
+    _require_topic(config, spec.output_topic)
     import uuid
 
     from confluent_kafka import Consumer
 
+    from infra.kafka_clients import client_settings
     from tools.answers import answer_decoder, json_safe
 
-    config = _config(config_path)
-    spec = _pipeline(config, pipeline_name)
     decoder = answer_decoder(config)
+    broker = config.broker
     consumer = Consumer(
         {
-            "bootstrap.servers": config.broker.bootstrap_servers,
+            **client_settings(broker.bootstrap_servers, "consumer", broker.connect_timeout_s),
             "group.id": f"headrace-consume-{uuid.uuid4().hex[:8]}",
             "auto.offset.reset": "earliest" if from_beginning else "latest",
             "enable.auto.commit": False,
@@ -379,11 +448,14 @@ def consume(
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to read the topics.")
 def audit(config_path: Path, as_json: bool, timeout: float) -> None:
-    """Check that every committed input has exactly one outcome (exit status 1 if not)."""
+    """Check that every committed input has exactly one outcome (exit status 1 if not;
+    69 if Kafka cannot be reached or the topics are not read in time)."""
+    config = _config(config_path)
+    _broker_topics(config)
     from tools.audit import audit as run_audit
     from tools.audit import format_report
 
-    audits = run_audit(_config(config_path), timeout)
+    audits = run_audit(config, timeout)
     if as_json:
         click.echo(json.dumps([found.as_dict() for found in audits], indent=2))
     else:
@@ -572,16 +644,23 @@ def bench_features(seconds: float, out: Path) -> None:
 
 
 def main() -> None:
+    """Run the command; an error ends it with one line (naming the problem, with a hint)
+    and its exit status, never a traceback."""
+    from confluent_kafka import KafkaException
+
     try:
         cli(standalone_mode=False)
     except click.exceptions.Abort:
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except HeadraceError as exc:
         click.echo(f"headrace: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(getattr(exc, "exit_status", EXIT_USAGE))
+    except KafkaException as exc:  # one a command did not wrap: still Kafka's failure
+        click.echo(f"headrace: Kafka failed: {exc.args[0].str()}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
 
 
 if __name__ == "__main__":

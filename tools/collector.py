@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, Message
 
+from infra.kafka_clients import client_settings
 from schemas.codec import AvroDecoder
 
 
@@ -34,7 +35,7 @@ class TopicReader:
     ) -> None:
         self._consumer = Consumer(
             {
-                "bootstrap.servers": bootstrap_servers,
+                **client_settings(bootstrap_servers, "reader"),
                 "group.id": f"headrace-reader-{uuid.uuid4().hex[:8]}",
                 "auto.offset.reset": "earliest",
                 "enable.auto.commit": False,

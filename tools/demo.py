@@ -20,6 +20,7 @@ from confluent_kafka import Producer
 
 from features.sample_data import SampleWorld
 from infra.kafka import KafkaBroker
+from infra.kafka_clients import client_settings
 from infra.ports import free_port
 from models.train import fallback_path
 from models.train_intent import intent_path
@@ -99,7 +100,9 @@ def run_demo(
             spec.dead_letter_topic,
             answer_decoder(config, catalogue),
         ).start()
-        producer = Producer({"bootstrap.servers": broker.bootstrap_servers, "linger.ms": 1})
+        producer = Producer(
+            {**client_settings(broker.bootstrap_servers, "producer"), "linger.ms": 1}
+        )
         # Serving once it answers one event (sent before then, the warm-up would wait in
         # Kafka past its deadline and be shed); then a warm-up at the demo's rate, not
         # counted: caches, the broker's JIT.

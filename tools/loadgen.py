@@ -122,6 +122,36 @@ class SendReport:
     elapsed_s: float
     max_lag_ms: float
     """Worst delay of an actual send behind its schedule."""
+    delivered: int = 0
+    """Records Kafka acknowledged."""
+    failed: int = 0
+    """Records Kafka refused, or that timed out; the rest of `sent` were still
+    unconfirmed when the final flush gave up."""
+    first_error: str | None = None
+    """Why the first failed record failed."""
+
+
+class NotDelivered(HeadraceError):
+    """Not every record sent was acknowledged by Kafka."""
+
+    exit_status = 75  # EX_TEMPFAIL: the broker may take them on a later try
+
+
+class _Deliveries:
+    """Counts delivery reports (called from the producer's `poll` and `flush`)."""
+
+    def __init__(self) -> None:
+        self.delivered = 0
+        self.failed = 0
+        self.first_error: str | None = None
+
+    def on_delivery(self, error, _message) -> None:
+        if error is None:
+            self.delivered += 1
+            return
+        self.failed += 1
+        if self.first_error is None:
+            self.first_error = error.str()
 
 
 # (key, value), or (key, value, headers).
@@ -135,15 +165,19 @@ def send_at_rate(
     rate_per_s: float,
     duration_s: float,
     on_tick: Callable[[int], None] | None = None,
+    flush_timeout_s: float = 30.0,
 ) -> SendReport:
     """Send `rate_per_s * duration_s` records on a fixed schedule, open loop.
 
     Record i is due at `start + i / rate`; each wake-up sends every record already
     due, stamped with its own intended time, so falling behind never slows the
-    schedule. Blocks for about `duration_s`, flushes before returning. `on_tick(sent)`
-    is called about once a second (progress display).
+    schedule. Blocks for about `duration_s`, then flushes (up to `flush_timeout_s`:
+    longer than the producer's delivery timeout, every record is then either delivered
+    or failed). The report counts the deliveries. `on_tick(sent)` is called about once
+    a second (progress display).
     """
     total = int(rate_per_s * duration_s)
+    deliveries = _Deliveries()
     start = time.time()
     next_tick = start + 1.0
     max_lag_s = 0.0
@@ -154,7 +188,7 @@ def send_at_rate(
         if sent < due:
             max_lag_s = max(max_lag_s, now - (start + sent / rate_per_s))
         while sent < due:
-            _produce(producer, topic, next(records), start + sent / rate_per_s)
+            _produce(producer, topic, next(records), start + sent / rate_per_s, deliveries)
             sent += 1
         producer.poll(0)
         if on_tick is not None and now >= next_tick:
@@ -163,11 +197,16 @@ def send_at_rate(
         wait = start + sent / rate_per_s - time.time()
         if wait > 0:
             time.sleep(wait)
-    producer.flush(30)
-    return SendReport(total, start, time.time() - start, max_lag_s * 1000)
+    producer.flush(flush_timeout_s)
+    return SendReport(
+        total, start, time.time() - start, max_lag_s * 1000,
+        deliveries.delivered, deliveries.failed, deliveries.first_error,
+    )  # fmt: skip
 
 
-def _produce(producer: Producer, topic: str, record: Record, at_s: float) -> None:
+def _produce(
+    producer: Producer, topic: str, record: Record, at_s: float, deliveries: _Deliveries
+) -> None:
     key, value, *headers = record
     while True:
         try:
@@ -177,6 +216,7 @@ def _produce(producer: Producer, topic: str, record: Record, at_s: float) -> Non
                 key,
                 timestamp=int(at_s * 1000),
                 headers=headers[0] if headers else None,
+                on_delivery=deliveries.on_delivery,
             )
             return
         except BufferError:

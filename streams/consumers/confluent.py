@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
+from infra.kafka_clients import client_settings
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.records import InputRecord
@@ -35,9 +36,10 @@ class BareConsumer:
     """Consumes the pipelines' input topics and dispatches records to their runners."""
 
     def __init__(self, config: HeadraceConfig, make_runner: MakeRunner) -> None:
+        bootstrap, timeout_s = config.broker.bootstrap_servers, config.broker.connect_timeout_s
         self._consumer = Consumer(
             {
-                "bootstrap.servers": config.broker.bootstrap_servers,
+                **client_settings(bootstrap, "consumer", timeout_s),
                 "group.id": config.app_id,
                 "auto.offset.reset": "earliest",
                 # Commit only what the runners acknowledged (stored), in the background.

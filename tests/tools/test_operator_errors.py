@@ -1,0 +1,195 @@
+"""What an operator sees when a command cannot do its job: the real `headrace` command,
+one line naming the problem with a hint, no traceback, and the documented exit status
+(README, "Exit statuses")."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import pytest
+import yaml
+
+from infra.ports import free_port
+from infra.topics import set_topic_config
+from tools.deploy import sample_config
+
+EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_DELIVERED = 2, 69, 75
+# Seconds a command may take: its imports (Feast, ONNX Runtime) are slow on a busy machine.
+COMMAND_TIMEOUT_S = 180
+
+
+@dataclass
+class Finished:
+    code: int
+    output: str
+    """stdout and stderr together."""
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for line in self.output.splitlines() if line.strip()]
+
+
+def headrace(*arguments: str, cwd: Path) -> Finished:
+    """Run the installed `headrace` command (or the module where it is not installed)."""
+    script = Path(sys.executable).with_name("headrace")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
+    done = subprocess.run(
+        [*command, *arguments],
+        cwd=cwd,
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+        check=False,
+    )
+    return Finished(done.returncode, done.stdout)
+
+
+def assert_refused(done: Finished, code: int, *expected: str) -> str:
+    """The command ended with `code` and, last, one `headrace:` line holding `expected`
+    and a hint; nothing of a traceback anywhere."""
+    assert "Traceback" not in done.output, done.output
+    assert done.code == code, done.output
+    message = done.lines[-1]
+    assert message.startswith("headrace: "), done.output
+    for part in (*expected, "hint: "):
+        assert part in message, done.output
+    return message
+
+
+# --- a broker nothing listens on -----------------------------------------------------
+
+
+@pytest.fixture
+def unreachable_config(tmp_path) -> Path:
+    """A config whose broker is a loopback port nothing listens on, found within 1 s."""
+    raw = sample_config(f"127.0.0.1:{free_port()}", tmp_path / "repo", tmp_path / "m.onnx")
+    raw["broker"]["connect_timeout_ms"] = 1_000
+    path = tmp_path / "headrace.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["worker"], ["audit"], ["topics", "create"], ["produce", "--duration", "1"], ["consume"]],
+    ids=lambda command: " ".join(command),
+)
+def test_an_unreachable_broker_is_named_in_one_line_within_seconds(
+    unreachable_config, tmp_path, command
+):
+    done = headrace(*command, "-c", str(unreachable_config), cwd=tmp_path)
+    bootstrap = yaml.safe_load(unreachable_config.read_text())["broker"]["bootstrap_servers"]
+    message = assert_refused(
+        done,
+        EXIT_UNAVAILABLE,
+        f"Kafka at {bootstrap} could not be reached within 1 s (Connection refused)",
+        "broker.bootstrap_servers",
+    )
+    # Not a line of librdkafka's retries before it (a worker printed ~290).
+    assert done.lines == [message]
+
+
+def test_a_config_error_exits_2(tmp_path):
+    path = tmp_path / "headrace.yaml"
+    path.write_text("pipelines: []\n")
+    done = headrace("audit", "-c", str(path), cwd=tmp_path)
+    assert "Traceback" not in done.output
+    assert done.code == EXIT_USAGE, done.output
+    assert done.lines == [f"headrace: {path}: pipelines: List should have at least 1 item "
+                          "after validation, not 0"]  # fmt: skip
+
+
+# --- a broker that answers ------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_produce_counts_what_kafka_refused_and_exits_75(deploy, kafka, tmp_path):
+    deployment = deploy(partitions=1)
+    topic = deployment.spec.input_topic
+    # Every event is larger than the topic takes: each delivery fails.
+    set_topic_config(kafka.bootstrap_servers, topic, {"max.message.bytes": "20"})
+    done = headrace(
+        "produce", "-c", str(deployment.config_file), "--rate", "20", "--duration", "1",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert_refused(
+        done,
+        EXIT_NOT_DELIVERED,
+        f"0 of 20 events delivered to {topic} (20 failed: Broker: Message size too large; "
+        "0 unconfirmed)",
+    )
+
+
+@pytest.mark.integration
+def test_produce_says_how_many_kafka_acknowledged(deploy, tmp_path):
+    deployment = deploy(partitions=1)
+    done = headrace(
+        "produce", "-c", str(deployment.config_file), "--rate", "20", "--duration", "1",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.code == 0, done.output
+    assert f"delivered 20 events to {deployment.spec.input_topic}" in done.lines[-1]
+
+
+@pytest.mark.integration
+def test_a_taken_metrics_port_is_refused_at_start(deploy, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        deployment = deploy(metrics_port=port)
+        done = headrace("worker", "-c", str(deployment.config_file), cwd=tmp_path)
+    assert_refused(
+        done,
+        EXIT_USAGE,
+        f"metrics.port {port}: cannot serve /metrics (Address already in use)",
+        "set metrics.port to a free port, or 0",
+    )
+    assert len(done.lines) == 1, done.output  # refused before any Kafka client started
+
+
+def _narrowed(model: Path, out: Path, symbolic_width: bool) -> Path:
+    """The sample model with one feature name fewer in its metadata than its graph takes;
+    with `symbolic_width`, a graph that does not declare its width either."""
+    artifact = onnx.load(str(model))
+    for prop in artifact.metadata_props:
+        if prop.key in ("feature_names", "feature_defaults"):
+            prop.value = json.dumps(json.loads(prop.value)[:-1])
+    if symbolic_width:
+        artifact.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "features"
+    onnx.save(artifact, str(out))
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("symbolic_width", "expected"),
+    [
+        (False, "input 'X' takes 10 columns, its metadata's feature_names give 9"),
+        (
+            True,
+            "failed on a row of zeros (input 'X' 9 columns, from its metadata's "
+            "feature_names): INVALID_ARGUMENT",
+        ),
+    ],
+    ids=["declared-width", "symbolic-width"],
+)
+def test_a_model_narrower_than_its_metadata_is_refused_at_start(
+    deploy, sample_assets, tmp_path, symbolic_width, expected
+):
+    model = _narrowed(sample_assets.model, tmp_path / "narrow.onnx", symbolic_width)
+    deployment = deploy(model_path=model)
+    done = headrace("worker", "-c", str(deployment.config_file), cwd=tmp_path)
+    assert_refused(done, EXIT_USAGE, "pipeline fraud cannot start: model narrow.onnx", expected)
+    assert not any("onnxruntime" in line for line in done.lines), done.output
