@@ -46,6 +46,19 @@ class BrokerConfig(_Frozen):
     answer before it reports them unreachable (exit 69); also the longest one connection
     attempt of a client may take."""
 
+    session_timeout_ms: int = Field(10_000, ge=6_000, le=300_000)
+    """How long the group waits for a worker that stopped heartbeating (killed, frozen)
+    before its partitions go to the others; a restarted worker waits this long at most
+    to get them back (the clients' defaults are 45 s and, on Faust, 60 s)."""
+    instance_id: str | None = Field(None, min_length=1, max_length=249)
+    """Static group membership: a name unique to this worker and stable across its
+    restarts (e.g. a StatefulSet pod's name). A worker restarted within
+    `session_timeout_ms` then takes its partitions back at once, with no rebalance.
+    Two live workers with one name fence each other: leave it unset when unsure."""
+    commit_interval_ms: int = Field(100, ge=10, le=60_000)
+    """How often answered offsets are committed: what a crash can make the next worker
+    answer again (a rebalance or a clean stop commits first and repeats nothing)."""
+
     @property
     def connect_timeout_s(self) -> float:
         return self.connect_timeout_ms / 1000

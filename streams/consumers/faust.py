@@ -6,11 +6,19 @@ own per-record delivery cost more than the whole pipeline) and hands them to its
 pipeline's `PipelineRunner`, which acknowledges each record through Faust's consumer
 once its outcome is written; Faust commits only acknowledged offsets. Faust's own
 `concurrency` must stay 1 per agent: more can commit past unprocessed offsets.
+
+On a rebalance Faust waits until every record the agents took is acknowledged, but it
+commits only on its timer, and then seeks even the partitions this worker keeps back to
+their committed offsets: whatever was answered since the last commit was answered
+again; and chunks fetched but not yet taken by an agent were answered after that
+commit. So the worker lets its agents finish every fetched chunk, then commits, before
+the partitions move (`_commit_before_rebalance`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 
 import faust
@@ -38,11 +46,15 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, log_level: str) -> No
         topic_disable_leader=True,
         topic_allow_declare=False,
         consumer_auto_offset_reset="earliest",
-        broker_commit_interval=1.0,
+        broker_commit_interval=config.broker.commit_interval_ms / 1000,
+        broker_session_timeout=config.broker.session_timeout_ms / 1000,
+        broker_heartbeat_interval=config.broker.session_timeout_ms / 5000,
+        consumer_group_instance_id=config.broker.instance_id,
         # A fetch is handed to an agent whole: its size bounds how far a chunk can go
         # past the in-flight bound (as the confluent runtime's chunk does).
         broker_max_poll_records=max(p.max_batch_size for p in config.pipelines),
     )
+    app.on_partitions_revoked.connect(_commit_before_rebalance)
     for spec in config.pipelines:
         _add_agent(app, spec.name, spec.input_topic, spec.max_in_flight, spec.resume_at,
                    make_runner)  # fmt: skip
@@ -52,6 +64,14 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, log_level: str) -> No
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
+
+
+async def _commit_before_rebalance(app: FeedApp, revoked, **_kwargs) -> None:
+    # Sent after Faust paused fetching and waited for the records the agents took; the
+    # chunks still queued for them are answered too, then all of it committed.
+    with contextlib.suppress(TimeoutError):
+        await app.settle(timeout_s=app.conf.broker_session_timeout / 2)
+    await app.consumer.commit()
 
 
 def _add_agent(

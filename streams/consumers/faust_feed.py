@@ -161,5 +161,18 @@ class FeedApp(faust.App):
         self.consumer.track(messages)
         return messages
 
+    async def settle(self, timeout_s: float) -> None:
+        """Until every chunk already fetched was taken by its agent and acknowledged
+        (at most `timeout_s`): on a rebalance, after Faust paused fetching, so that a
+        commit then covers everything the fetch loop handed over."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(not feed.empty() for feed in self.feeds.values()):
+            if asyncio.get_running_loop().time() > deadline:
+                return
+            await asyncio.sleep(0.005)  # the agents take chunks as their runners drain
+        await asyncio.wait_for(
+            self.consumer.wait_empty(), max(0.0, deadline - asyncio.get_running_loop().time())
+        )
+
     def _new_transport(self) -> BulkTransport:
         return BulkTransport(self.conf.broker_consumer, self)

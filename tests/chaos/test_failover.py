@@ -1,0 +1,123 @@
+"""Workers of one group under load: a member that leaves and rejoins repeats nothing,
+and a killed worker's partitions are served again within seconds, nothing missing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from tests.chaos.conftest import input_offsets, outcomes_per_input
+from tests.helpers import produce_events, wait_until
+from tests.streams.test_worker import collector_for
+from tools.deploy import start_worker, stop_worker
+
+pytestmark = pytest.mark.integration
+
+
+@contextmanager
+def steady_load(kafka, deployment, world, per_s: int = 150) -> Iterator[None]:
+    """Valid events at about `per_s` per second, from a thread, until the block ends."""
+    stop = threading.Event()
+    topic = deployment.spec.input_topic
+
+    def send() -> None:
+        chunk = max(1, per_s // 10)
+        for seed in range(1_000_000):
+            if stop.wait(0.1):
+                return
+            produce_events(kafka.bootstrap_servers, topic, world, chunk, seed=seed,
+                           prefix=f"load{seed}-")  # fmt: skip
+
+    sender = threading.Thread(target=send, name="steady-load")
+    sender.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        sender.join(60)
+
+
+def all_answered(collector, bootstrap: str, topic: str) -> bool:
+    counts = outcomes_per_input(collector.snapshot(), topic)
+    return input_offsets(bootstrap, topic) <= set(counts)
+
+
+def members(bootstrap: str, group: str) -> int:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    (future,) = admin.describe_consumer_groups([group], request_timeout=10).values()
+    described = future.result(timeout=15)
+    return sum(1 for member in described.members if member.assignment.topic_partitions)
+
+
+def answered(collector) -> int:
+    return len(collector.snapshot().predictions)
+
+
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_a_member_that_leaves_and_rejoins_under_load_repeats_nothing(
+    chaos_deploy, kafka, sample_assets, runtime
+):
+    deployment = chaos_deploy(runtime)
+    topic = deployment.spec.input_topic
+    collector = collector_for(deployment)
+    group = deployment.config.app_id
+    try:
+        with deployment.worker():
+            second = start_worker(deployment.config_file, deployment.log_file)
+            with steady_load(kafka, deployment, sample_assets.world):
+                assert wait_until(lambda: members(kafka.bootstrap_servers, group) == 2, 120)
+                assert wait_until(lambda: answered(collector) > 300, 120), deployment.log_tail()
+                assert stop_worker(second) == 0  # leaves the group: the first takes over
+                now = answered(collector)
+                assert wait_until(lambda: answered(collector) > now + 300, 60)
+                second = start_worker(deployment.config_file, deployment.log_file)
+                assert wait_until(lambda: members(kafka.bootstrap_servers, group) == 2, 120)
+                now = answered(collector)
+                assert wait_until(lambda: answered(collector) > now + 300, 60)
+            assert wait_until(
+                lambda: all_answered(collector, kafka.bootstrap_servers, topic), 60
+            ), deployment.log_tail()
+            assert stop_worker(second) == 0
+        counts = outcomes_per_input(collector.snapshot(), topic)
+        repeated = {where: n for where, n in counts.items() if n > 1}
+        assert not repeated, f"{len(repeated)} inputs answered more than once"
+    finally:
+        collector.stop()
+
+
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_a_killed_worker_is_replaced_within_seconds_and_nothing_is_missing(
+    chaos_deploy, kafka, sample_assets, runtime
+):
+    deployment = chaos_deploy(runtime)
+    topic = deployment.spec.input_topic
+    collector = collector_for(deployment)
+    try:
+        with steady_load(kafka, deployment, sample_assets.world):
+            worker = start_worker(deployment.config_file, deployment.log_file)
+            assert wait_until(lambda: answered(collector) > 300, 120), deployment.log_tail()
+            worker.kill()  # SIGKILL: no drain, no commit, the session left to expire
+            worker.wait()
+            restarted_at = time.monotonic()
+            with deployment.worker():
+                now = answered(collector)
+                assert wait_until(lambda: answered(collector) > now + 50, 60)
+                back_after_s = time.monotonic() - restarted_at
+        with deployment.worker():
+            assert wait_until(
+                lambda: all_answered(collector, kafka.bootstrap_servers, topic), 60
+            ), deployment.log_tail()
+        counts = outcomes_per_input(collector.snapshot(), topic)
+        repeats = sum(n - 1 for n in counts.values())
+        print(f"{runtime}: answering again {back_after_s:.1f} s after the restart "
+              f"(start-up included); {repeats} repeats of {len(counts)} inputs")  # fmt: skip
+        # The old session had to expire (45-60 s by the clients' defaults); start-up
+        # itself takes a few seconds on a busy machine.
+        assert back_after_s < 30
+    finally:
+        collector.stop()
