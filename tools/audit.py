@@ -17,7 +17,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_INVALID,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 
 from infra.kafka_clients import client_settings, list_topics, unavailable
 from schemas.codec import AvroDecoder
@@ -59,6 +66,10 @@ class PartitionAudit:
     """Outcomes of the committed inputs, by status."""
     uncommitted: int = 0
     """Outcomes of offsets at or past the committed one."""
+    never_committed: int = 0
+    """Inputs on a partition where the group committed nothing: none of them is audited,
+    so the partition cannot be called exact (a wrong group, or a worker that never
+    committed)."""
 
 
 @dataclass
@@ -87,7 +98,8 @@ class PipelineAudit:
 
     @property
     def exact(self) -> bool:
-        return self.missing == 0 and self.duplicated == 0
+        unaudited = any(p.never_committed for p in self.partitions)
+        return self.missing == 0 and self.duplicated == 0 and not unaudited
 
     def as_dict(self) -> dict:
         return {
@@ -109,6 +121,7 @@ class PipelineAudit:
                     "first_duplicated": p.duplicated[:_SHOWN_OFFSETS],
                     "outcomes": {status: p.outcomes[status] for status in STATUSES},
                     "uncommitted": p.uncommitted,
+                    "never_committed": p.never_committed,
                 }
                 for p in self.partitions
             ],
@@ -154,7 +167,7 @@ class _Clients:
 def _audit_pipeline(
     clients: _Clients, group: str, spec: PipelineConfig, decoder: AvroDecoder, timeout_s: float
 ) -> PipelineAudit:
-    committed = _committed(clients, group, spec.input_topic)
+    committed, never_committed = _committed(clients, group, spec.input_topic)
     # (partition, offset) -> statuses of the outcomes naming it.
     answers: dict[tuple[int, int], list[str]] = {}
     unreadable = 0
@@ -183,7 +196,10 @@ def _audit_pipeline(
     _read(clients, spec.output_topic, None, on_output, deadline)
     _read(clients, spec.dead_letter_topic, None, on_dead_letter, deadline)
 
-    partitions = {p: PartitionAudit(p, offset) for p, offset in committed.items()}
+    partitions = {
+        p: PartitionAudit(p, offset, never_committed=never_committed.get(p, 0))
+        for p, offset in committed.items()
+    }
 
     def on_input(message: Message) -> None:
         found = partitions[message.partition()]
@@ -203,17 +219,23 @@ def _audit_pipeline(
     return PipelineAudit(spec.name, spec.input_topic, list(partitions.values()), unreadable)
 
 
-def _committed(clients: _Clients, group: str, topic: str) -> dict[int, int]:
-    """The group's committed offset per partition of `topic` (the low watermark if none)."""
+def _committed(clients: _Clients, group: str, topic: str) -> tuple[dict[int, int], dict[int, int]]:
+    """The group's committed offset per partition of `topic` (the low watermark if none),
+    and, per partition where it committed nothing, how many inputs it holds."""
     consumer = clients.consumer(group)
     try:
         partitions = _partitions(consumer, topic)
-        offsets = {}
+        offsets, never = {}, {}
         wanted = [TopicPartition(topic, p) for p in partitions]
         for tp in consumer.committed(wanted, timeout=_REQUEST_TIMEOUT_S):
-            low, _high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)
-            offsets[tp.partition] = low if tp.offset == OFFSET_INVALID else max(tp.offset, low)
-        return offsets
+            low, high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)
+            if tp.offset == OFFSET_INVALID:
+                offsets[tp.partition] = low
+                if high > low:
+                    never[tp.partition] = high - low
+            else:
+                offsets[tp.partition] = max(tp.offset, low)
+        return offsets, never
     finally:
         consumer.close()
 
@@ -232,9 +254,14 @@ def _read(
     handle: Callable[[Message], None],
     deadline: float,
 ) -> None:
-    """Hand every record of `topic` below `ends` (default: the current end) to `handle`."""
+    """Hand every record of `topic` below `ends` (default: the current end) to `handle`.
+    Reads committed records only (isolation.level=read_committed): a topic written in
+    transactions ends with a marker, and aborted records are never read, so the end of
+    a partition is where Kafka says it is (an end-of-partition event), not its last
+    record read."""
     consumer = clients.consumer(f"headrace-audit-{uuid.uuid4().hex[:8]}", **{
-        "enable.auto.commit": False})  # fmt: skip
+        "enable.auto.commit": False, "enable.partition.eof": True,
+        "isolation.level": "read_committed"})  # fmt: skip
     try:
         starts, stops = {}, {}
         for partition in _partitions(consumer, topic):
@@ -251,9 +278,12 @@ def _read(
                     "the end; hint: a large topic needs a longer --timeout"
                 )
             for message in consumer.consume(1000, 0.5):
-                if message.error():
-                    continue
                 partition, offset = message.partition(), message.offset()
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF and offset >= stops[partition]:
+                        pending.discard(partition)
+                    continue
                 if offset < stops[partition]:
                     handle(message)
                 if offset >= stops[partition] - 1:
@@ -287,12 +317,18 @@ def format_report(audits: list[PipelineAudit]) -> str:
                 lines.append(f"  partition {p.partition}: no outcome for offsets {p.missing[:10]}")
             if p.duplicated:
                 lines.append(f"  partition {p.partition}: several for offsets {p.duplicated[:10]}")
+            if p.never_committed:
+                lines.append(
+                    f"  partition {p.partition}: the group committed nothing of its "
+                    f"{p.never_committed} inputs, so none was audited (hint: is the config's "
+                    "app_id the workers' group?)"
+                )
         if found.unreadable_outputs:
             lines.append(f"  {found.unreadable_outputs} unreadable records in the output topic")
     exact = all(found.exact for found in audits)
     lines.append(
         "every committed input has exactly one outcome"
         if exact
-        else "NOT EXACT: inputs without an outcome or with more than one (see above)"
+        else "NOT EXACT: inputs without an outcome, with more than one, or not audited (see above)"
     )
     return "\n".join(lines)

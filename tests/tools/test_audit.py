@@ -61,3 +61,18 @@ def test_audit_reports_inputs_without_an_outcome_and_with_several(deploy, kafka)
     result = CliRunner().invoke(cli, ["audit", "-c", str(deployment.config_file), "--json"])
     assert result.exit_code == 1, result.output
     assert json.loads(result.output)[0]["partitions"][0]["first_missing"] == [2]
+
+
+def test_a_group_that_committed_nothing_is_not_called_exact(deploy, kafka):
+    deployment = deploy(partitions=1)
+    produce_raw(kafka.bootstrap_servers, deployment.spec.input_topic, [b"i0", b"i1"])
+    (found,) = audit(deployment.config)
+    (partition,) = found.partitions
+    assert (partition.inputs, partition.never_committed) == (0, 2)
+    assert not found.exact
+    assert "committed nothing of its 2 inputs" in format_report([found])
+
+
+def test_an_empty_topic_and_no_commits_is_exact(deploy):
+    (found,) = audit(deploy(partitions=1).config)
+    assert found.exact
