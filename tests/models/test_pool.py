@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -90,10 +89,10 @@ def test_blocking_runs_are_not_counted_as_routed_work(sample_assets):
 
 
 def test_cuda_sessions_fall_back_to_cpu_plainly_without_a_gpu(sample_assets, caplog):
-    if shutil.which("nvidia-smi"):
-        pytest.skip("this machine may have a usable GPU")
     mixed = SessionPool(ModelConfig(path=sample_assets.model, cpu_sessions=1, cuda_sessions=1))
     try:
+        if ["CUDAExecutionProvider"] in [p[:1] for p in mixed.providers]:
+            pytest.skip("CUDA is usable here")
         assert mixed.providers == [["CPUExecutionProvider"], ["CPUExecutionProvider"]]
         assert [u["device"] for u in mixed.usage] == ["cpu", "cpu"]
         assert "CUDA was asked for" in caplog.text
