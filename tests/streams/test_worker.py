@@ -62,7 +62,7 @@ def served(kafka, sample_assets, tmp_path_factory):
         seed=3,
         prefix="valid",
     )
-    malformed = malformed_records(encoder, next(iter(sent.values())))
+    malformed = more_malformed(encoder, next(iter(sent.values())))
     produce_raw(kafka.bootstrap_servers, spec.input_topic, list(malformed.values()))
     collector = collector_for(deployment)
     with deployment.worker() as worker:
@@ -91,6 +91,20 @@ def served(kafka, sample_assets, tmp_path_factory):
     delete_topics(kafka.bootstrap_servers, created)
 
 
+def more_malformed(encoder: AvroEncoder, valid: dict) -> dict[str, bytes]:
+    """The demo's malformed records and the reasons it does not send."""
+    good = encoder.encode(valid)
+    corrupt = bytearray(good)
+    corrupt[6] = 0xFF  # the event id's first byte: not UTF-8
+    return {
+        **malformed_records(encoder, valid),
+        "trailing_bytes": good + b"\x00\x01",
+        "corrupt": bytes(corrupt),
+        # Framed as a Prediction (local id 4): no Transaction can be read from it.
+        "incompatible_schema": b"\x00" + (4).to_bytes(4, "big") + good[5:],
+    }
+
+
 def test_every_valid_event_gets_exactly_one_prediction(served):
     predictions = served["outcomes"].predictions
     ids = [p["event_id"] for p in predictions]
@@ -115,13 +129,24 @@ def test_each_malformed_event_is_dead_lettered_with_its_reason(served):
         "unknown_schema": "unknown_schema",
         "truncated": "truncated",
         "invalid_field": "invalid_field",
+        "trailing_bytes": "trailing_bytes",
+        "corrupt": "corrupt",
+        "incompatible_schema": "incompatible_schema",
     }
     for kind, raw in served["malformed"].items():
         letter = by_value[raw]  # the original bytes, untouched
         assert letter.headers["headrace.error.reason"] == expected_reason[kind]
         assert letter.headers["headrace.error.message"]
         assert letter.headers["headrace.input.topic"] == served["deployment"].spec.input_topic
-        assert int(letter.headers["headrace.input.offset"]) >= 0
+    # Written in one go with one key: one partition, consecutive offsets, in order.
+    where = [
+        (by_value[raw].headers["headrace.input.partition"],
+         int(by_value[raw].headers["headrace.input.offset"]))
+        for raw in served["malformed"].values()
+    ]  # fmt: skip
+    assert len({partition for partition, _ in where}) == 1
+    first = where[0][1]
+    assert [offset for _, offset in where] == list(range(first, first + len(where)))
 
 
 def test_worker_keeps_serving_after_bad_input(served):
@@ -166,6 +191,9 @@ def test_scores_equal_the_model_run_offline_on_the_same_features(served, sample_
     )
     served_scores = np.array([p["score"] for p in predictions], dtype=np.float32)
     np.testing.assert_allclose(served_scores, offline, rtol=1e-5, atol=1e-6)
+    # The label is the score against the model's threshold (0.5 in its metadata).
+    assert [p["label"] for p in predictions] == [bool(p["score"] >= 0.5) for p in predictions]
+    assert {p["label"] for p in predictions} == {True, False}
     # Entities absent from Feast are flagged, not guessed silently.
     flagged = [p for p in predictions if p["missing_features"]]
     assert flagged, "the sample stream always holds a few unknown users or merchants"
