@@ -71,6 +71,7 @@ def verdicts(steps: list[StepResult], budget_ms: float, systems: dict | None = N
         out["faust_over_mlserver"] = _ratio(rates["headrace"], rates["mlserver"])
         out["bare_over_mlserver"] = _ratio(rates["bare"], rates["mlserver"])
         out["mlserver"] = _worker_figures(steps, "mlserver", rates["mlserver"], systems) or {}
+        out["mlserver"]["restarts"] = systems.get("mlserver", {}).get("restarts", 0)
         if "skipped" in systems.get("mlserver", {}):
             out["mlserver"]["skipped"] = systems["mlserver"]["skipped"]
     faust, bare = out["runtimes"].get("faust", {}), out["runtimes"].get("bare", {})
@@ -226,6 +227,12 @@ def _mlserver_lines(v: dict, fmt, met) -> list[str]:
         f"{fmt(figures.get('cpu_us_at_1000'), ' µs')}; idle "
         f"{fmt(figures.get('idle_cores'), ' cores')}."
     )
+    if figures.get("restarts"):
+        lines.append(
+            f"- MLServer did not work off an overload's backlog (it reads without "
+            f"backpressure) and was restarted on new topics {figures['restarts']} times, "
+            "so that each later step started from an idle server."
+        )
     return lines
 
 

@@ -57,7 +57,7 @@ def test_the_verdicts_compare_headrace_with_mlserver_and_report_its_figures(tmp_
     systems = {
         "headrace": {"sustainable_per_s": 1_200.0},
         "bare": {"sustainable_per_s": 1_000.0},
-        "mlserver": {"sustainable_per_s": 400.0, "idle_cores": 0.004},
+        "mlserver": {"sustainable_per_s": 400.0, "idle_cores": 0.004, "restarts": 2},
     }
     results = {"settings": BenchSettings().model_dump(mode="json"), "steps": steps,
                "systems": systems, "onnx": [], "elapsed_s": 1.0}  # fmt: skip
@@ -68,6 +68,7 @@ def test_the_verdicts_compare_headrace_with_mlserver_and_report_its_figures(tmp_
     assert "- MLServer: light load (100/s) p50 8.0 ms" in text
     assert "CPU per event at its sustainable rate 1,100.00 µs" in text
     assert "up to 64 events within 2.0 ms" in text
+    assert "restarted on new topics 2 times" in text
 
 
 def test_a_skipped_mlserver_baseline_says_why(tmp_path):
