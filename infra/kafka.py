@@ -38,6 +38,74 @@ def kafka_jars() -> Path:
     return lib
 
 
+def kafka_tools_jars() -> Path:
+    """The folder of Kafka's command-line tools jar, copied from Maven Central on first
+    use; it runs with the broker's jars on the classpath too."""
+    lib = cache_dir() / f"kafka-tools-{KAFKA_VERSION}"
+    if not (lib / ".complete").exists():
+        maven(
+            "-f",
+            str(INFRA_DIR / "kafka-tools-pom.xml"),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={lib}",
+        )
+        (lib / ".complete").touch()
+    return lib
+
+
+@dataclass(frozen=True)
+class GroupOffsets:
+    """One partition's row of `kafka-consumer-groups --describe`."""
+
+    topic: str
+    partition: int
+    current_offset: int | None
+    log_end_offset: int
+    lag: int | None
+
+
+def describe_group(
+    bootstrap_servers: str, group: str, timeout_s: float = 60.0
+) -> list[GroupOffsets]:
+    """Kafka's own consumer-groups tool (`ConsumerGroupCommand --describe`) on `group`:
+    the committed offset, log-end offset and lag of each partition it has. Blocks while
+    a JVM starts (a few seconds)."""
+    import subprocess
+
+    classpath = f"{kafka_tools_jars()}/*:{kafka_jars()}/*"
+    command = [
+        find_java(17), "-Xmx256m", "-cp", classpath,
+        "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
+        "--bootstrap-server", bootstrap_servers, "--describe", "--group", group,
+        "--timeout", str(int(timeout_s * 1000) // 2),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise InfraError(f"kafka-consumer-groups did not answer within {timeout_s:.0f} s") from exc
+    if done.returncode != 0:
+        raise InfraError(
+            f"kafka-consumer-groups failed ({done.returncode}):\n{done.stderr[-2000:]}"
+        )
+    rows = []
+    header: list[str] | None = None
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        if fields[:2] == ["GROUP", "TOPIC"]:
+            header = fields
+        elif header is not None and len(fields) >= 6 and fields[0] == group:
+            row = dict(zip(header, fields, strict=False))
+
+            def number(name: str, row: dict = row) -> int | None:
+                return None if row[name] == "-" else int(row[name])
+
+            rows.append(GroupOffsets(row["TOPIC"], int(row["PARTITION"]), number("CURRENT-OFFSET"),
+                                     int(row["LOG-END-OFFSET"]), number("LAG")))  # fmt: skip
+    return rows
+
+
 @dataclass
 class KafkaBroker:
     state_dir: Path

@@ -96,6 +96,32 @@ QUEUE_SECONDS = Histogram(
 BATCH_TARGET = Gauge(
     "headrace_batch_target_size", "The size at which the batcher counts a batch full.", ["pipeline"]
 )
+CONSUMER_LAG = Gauge(
+    "headrace_consumer_lag_records",
+    "Records of an input partition this worker holds that it has not answered: the "
+    "partition's high-water mark minus the first offset read and not answered (or the next "
+    "to read). At rest: Kafka's consumer-group lag (streams/lag.py).",
+    ["pipeline", "topic", "partition"],
+)
+OLDEST_UNANSWERED = Gauge(
+    "headrace_oldest_unanswered_seconds",
+    "Age, from its Kafka timestamp, of the oldest input read and not yet answered (0: none).",
+    ["pipeline"],
+)
+ANSWERED_IN_BUDGET = Counter(
+    "headrace_answered_in_budget",
+    "Inputs answered OK by their deadline (event time plus the latency budget): the good "
+    "events of the SLO, out of every outcome but DEAD_LETTER.",
+    ["pipeline"],
+)
+LATENCY_BUDGET = Gauge(
+    "headrace_latency_budget_seconds", "The pipeline's latency budget.", ["pipeline"]
+)
+MODEL_INFO = Gauge(
+    "headrace_model_info",
+    "1 for each model a pipeline runs: role full or fallback, its name and version.",
+    ["pipeline", "role", "model", "version"],
+)
 
 
 class PipelineMetrics:
@@ -121,6 +147,19 @@ class PipelineMetrics:
 
     def end_to_end(self, status: str) -> Histogram:
         return self._child(END_TO_END_SECONDS, status)
+
+    def in_budget(self, count: int) -> None:
+        """Count `count` inputs answered OK by their deadline."""
+        if count:
+            self._child(ANSWERED_IN_BUDGET).inc(count)
+
+    def describe(self, budget_s: float, models: dict[str, tuple[str, str]]) -> None:
+        """Export the latency budget and the models (role -> (name, version)); start the
+        SLO's good-event counter at 0, so a ratio over it exists before the first one."""
+        self._child(LATENCY_BUDGET).set(budget_s)
+        self._child(ANSWERED_IN_BUDGET)
+        for role, (name, version) in models.items():
+            self._child(MODEL_INFO, role, name, version).set(1)
 
     def missing_features(self, view: str) -> Counter:
         return self._child(MISSING_FEATURES, view)

@@ -100,6 +100,11 @@ class Pipeline:
         self._answers = FeatureCache(answers.max_entries, answers.max_age_s, clock)
         timeout_ms = config.degradation.store_timeout_ms or config.latency_budget_ms / 2
         self._store_timeout_s = timeout_ms / 1000
+        models = {"full": model} if fallback is None else {"full": model, "fallback": fallback}
+        measure.describe(
+            config.latency_budget_ms / 1000,
+            {role: (m.signature.name, m.signature.version) for role, m in models.items()},
+        )
 
     def prepare(self, items: Sequence[Item]) -> Prepared:
         """A released batch: every decoded event starts on the full path, for the
@@ -241,6 +246,7 @@ class Pipeline:
         now_s = self._clock()
         groups: dict[tuple[str, str | None, str | None], int] = {}
         latencies: dict[str, list[float]] = {}
+        in_budget = 0
         use_cache = self.admission.ladder.answer_cache
         # Outcomes the publisher had to write as dead letters (too large), by index.
         rewritten = prepared.outgoing.rewritten if prepared.outgoing is not None else {}
@@ -254,12 +260,15 @@ class Pipeline:
             key = (route.status, route.level, item.reason)
             groups[key] = groups.get(key, 0) + 1
             latencies.setdefault(route.status, []).append(latency_s)
-            if route is Route.FULL and use_cache:
-                self._answers.put(item.cache_key, item.answer, 0.0)
+            if route is Route.FULL:
+                in_budget += now_s <= item.deadline_s
+                if use_cache:
+                    self._answers.put(item.cache_key, item.answer, 0.0)
         for (status, level, reason), count in groups.items():
             measure.answered(status, level, reason, count)
         for status, seconds in latencies.items():
             metrics.observe_many(measure.end_to_end(status), seconds)
+        measure.in_budget(in_budget)
 
 
 def _finite(answer: dict[str, Any]) -> bool:

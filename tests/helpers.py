@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 from confluent_kafka import Consumer, Producer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from features.sample_data import SampleWorld
 from schemas.catalogue import LocalCatalogue
@@ -62,3 +65,15 @@ def committed_lag(bootstrap: str, group: str, topic: str, partitions: int) -> in
         return lag
     finally:
         consumer.close()
+
+
+def scrape(port: int) -> list[Sample]:
+    """The samples of a worker's `/metrics` on a loopback port."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def total(samples: list[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples named `name` whose labels include `labels`."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())

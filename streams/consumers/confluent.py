@@ -32,6 +32,7 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from infra.kafka_clients import client_settings
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
+from streams.lag import ConfluentMarks, InputProgress
 from streams.records import InputRecord
 from streams.runner import MakeRunner, PipelineRunner
 
@@ -78,6 +79,8 @@ class BareConsumer:
         self._revoke_timeout_s = config.broker.session_timeout_ms / 1000
         self._bounds: dict[str, tuple[int, int]] = {}
         self._paused: set[str] = set()
+        self._progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
+        self._marks = ConfluentMarks(self._consumer, self._progress)
         for spec in config.pipelines:
             topic = spec.input_topic
             # The poll thread pauses fetching; this one keeps the metrics.
@@ -117,6 +120,7 @@ class BareConsumer:
         while not self._stopping.is_set():
             self._run_queued_calls()
             self._apply_bounds()
+            self._marks.refresh()
             if len(self._paused) == len(self._runners):
                 # Everything paused: wait for acknowledgements instead of polling.
                 with contextlib.suppress(queue.Empty):
@@ -161,6 +165,7 @@ class BareConsumer:
             by_topic.setdefault(message.topic(), []).append(message)
         for topic, batch in by_topic.items():
             records = [_input_record(m) for m in batch]
+            self._progress[topic].read(records)
             self._runners[topic].submit(
                 records, [(r.topic, r.partition, r.offset) for r in records]
             )
@@ -172,6 +177,7 @@ class BareConsumer:
             latest[(topic, partition)] = offset
         offsets = [TopicPartition(t, p, o + 1) for (t, p), o in latest.items()]
         topic = handles[0][0]
+        self._progress[topic].answered(latest)
 
         def store() -> None:
             self._handed_over[topic] -= len(handles)

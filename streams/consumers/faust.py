@@ -26,6 +26,7 @@ import faust
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.consumers.faust_feed import FeedApp
+from streams.lag import REFRESH_S, InputProgress, refresh_faust
 from streams.records import InputRecord
 from streams.runner import MakeRunner
 
@@ -55,9 +56,15 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, log_level: str) -> No
         broker_max_poll_records=max(p.max_batch_size for p in config.pipelines),
     )
     app.on_partitions_revoked.connect(_commit_before_rebalance)
+    progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
     for spec in config.pipelines:
         _add_agent(app, spec.name, spec.input_topic, spec.max_in_flight, spec.resume_at,
-                   make_runner)  # fmt: skip
+                   make_runner, progress[spec.input_topic])  # fmt: skip
+
+    @app.timer(REFRESH_S)
+    async def consumer_lag() -> None:
+        await refresh_faust(app.consumer, progress)
+
     worker = faust.Worker(app, loglevel=log_level, quiet=True)
     try:
         worker.execute_from_commandline()
@@ -75,7 +82,13 @@ async def _commit_before_rebalance(app: FeedApp, revoked, **_kwargs) -> None:
 
 
 def _add_agent(
-    app: FeedApp, name: str, input_topic: str, high: int, low: int, make_runner: MakeRunner
+    app: FeedApp,
+    name: str,
+    input_topic: str,
+    high: int,
+    low: int,
+    make_runner: MakeRunner,
+    progress: InputProgress,
 ) -> None:
     topic = app.topic(
         input_topic, key_type=bytes, value_type=bytes, key_serializer="raw",
@@ -90,6 +103,7 @@ def _add_agent(
         consumer_ack = app.consumer.ack
         for message in messages:
             consumer_ack(message)
+        progress.answered({(m.topic, m.partition): m.offset for m in messages})
 
     runner = make_runner(name, in_flight, ack)
     app.add_feed(topic)
@@ -100,7 +114,9 @@ def _add_agent(
         try:
             while True:
                 messages = await app.take(input_topic)
-                runner.submit([_input_record(message) for message in messages], messages)
+                records = [_input_record(message) for message in messages]
+                progress.read(records)
+                runner.submit(records, messages)
                 # At the bound: take nothing more until drained to the low-water mark.
                 await in_flight.wait_resumed()
         except asyncio.CancelledError:
