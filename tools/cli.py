@@ -627,6 +627,135 @@ def _bench_devices(out: Path) -> None:
     click.echo(f"reports: {out / 'devices.md'}, {out / 'devices.json'}")
 
 
+def _metrics_targets(targets: tuple[str, ...], config_path: Path) -> list[str]:
+    """The given host:port targets, else the config's metrics endpoint on this host."""
+    if targets:
+        return list(targets)
+    if not config_path.exists():
+        raise click.UsageError(
+            f"no --target given and no config at {config_path}; hint: --target HOST:PORT "
+            "(a worker's metrics.port), or -c CONFIG"
+        )
+    port = _config(config_path).metrics.port
+    if not port:
+        raise click.UsageError(f"{config_path}: metrics.port is 0 (no /metrics endpoint)")
+    return [f"127.0.0.1:{port}"]
+
+
+target_option = click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    metavar="HOST:PORT",
+    help="A worker's /metrics endpoint (repeatable; default: the config's metrics.port here).",
+)
+
+
+slo_option = click.option(
+    "--slo",
+    default=0.999,
+    show_default=True,
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    help="The SLO: the share of inputs to answer OK within the latency budget.",
+)
+
+
+@cli.group()
+def monitor() -> None:
+    """A local Prometheus with headrace's SLO and alert rules (Debian's `prometheus`)."""
+
+
+@monitor.command("start")
+@config_option
+@target_option
+@slo_option
+@click.option("--port", default=9090, show_default=True, help="Prometheus's web port (loopback).")
+@click.option("--scrape-interval", default=5.0, show_default=True, help="Seconds.")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "monitor")
+@click.option("--foreground", is_flag=True, help="Stay until Ctrl-C, then stop Prometheus.")
+def monitor_start(
+    config_path: Path,
+    targets: tuple[str, ...],
+    slo: float,
+    port: int,
+    scrape_interval: float,
+    state_dir: Path,
+    foreground: bool,
+) -> None:
+    """Run Prometheus in the background on the workers' /metrics, with the SLO's
+    burn-rate rules for --slo and the alerts; its data stays in the state folder.
+    Started again, it reloads the new targets and rules. Stop it with `monitor stop`."""
+    import time
+
+    from tools import monitor as local
+
+    scraped = _metrics_targets(targets, config_path)
+    server, took = local.start(state_dir, scraped, port, slo, scrape_interval)
+    click.echo(
+        f"prometheus at {server.url} ({took:.1f} s), scraping {', '.join(scraped)}, SLO "
+        f"{100 * slo:g}%; alerts at {server.url}/alerts; state in {state_dir}"
+    )
+    if not foreground:
+        return
+    try:
+        while server.running():
+            time.sleep(0.5)
+        click.echo(f"prometheus ended; log {server.process.log_file}", err=True)
+    except KeyboardInterrupt:
+        server.stop()
+        click.echo("prometheus stopped")
+
+
+@monitor.command("stop")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE / "monitor")
+def monitor_stop(state_dir: Path) -> None:
+    """Stop the local Prometheus."""
+    from infra.monitoring import PrometheusServer
+
+    stopped = PrometheusServer(state_dir).stop()
+    click.echo("prometheus stopped" if stopped else "prometheus was not running")
+
+
+@monitor.command("rules")
+@slo_option
+@click.option("--out", type=click.Path(path_type=Path), help="Write here instead of stdout.")
+def monitor_rules(slo: float, out: Path | None) -> None:
+    """Print the SLO's multi-window, multi-burn-rate rules for a target (a Prometheus
+    rule file; infra/prometheus/rules/slo.yml is the one for 99.9%)."""
+    from tools.monitor import slo_rules
+
+    rules = slo_rules(slo)
+    if out is None:
+        click.echo(rules, nl=False)
+    else:
+        out.write_text(rules)
+        click.echo(f"rules for an SLO of {100 * slo:g}% written to {out}")
+
+
+@cli.command()
+@config_option
+@target_option
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between frames.")
+@click.option("--once", is_flag=True, help="Print one frame (over one interval) and exit.")
+def top(config_path: Path, targets: tuple[str, ...], interval: float, once: bool) -> None:
+    """A live view of the workers, from their /metrics: outcomes/s by status, p50/p99
+    against the budget, lag, batch size, in flight, feature cache hit rates."""
+    from tools.top import frames, metrics_url, render
+
+    urls = [metrics_url(target) for target in _metrics_targets(targets, config_path)]
+    live = sys.stdout.isatty() and not once
+    try:
+        for frame in frames(urls, interval):
+            text = render(frame, urls)
+            click.echo(f"\x1b[H\x1b[2J{text}" if live else text)
+            if once:
+                return
+            if not live:
+                click.echo()
+    except KeyboardInterrupt:
+        pass
+
+
 @cli.command("bench-features")
 @click.option("--seconds", default=1.0, show_default=True, help="Measured seconds per cell.")
 @click.option(

@@ -115,6 +115,11 @@ def run_demo(
                 f"the worker did not answer its warm-up; see {state_dir / 'worker.log'}"
             )
         step.done(f"serving (metrics on :{config.metrics.port}/metrics)")
+        target = f"127.0.0.1:{config.metrics.port}"
+        click.echo(
+            f"  watch it live in another terminal: headrace top --target {target}\n"
+            f"  (Prometheus with the SLO alerts: headrace monitor start --target {target})"
+        )
 
         click.echo(
             f"sending {rate:.0f} {pipeline} events/s to {spec.input_topic} for "
