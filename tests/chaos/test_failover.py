@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from tests.chaos.conftest import input_offsets, outcomes_per_input
@@ -50,7 +51,10 @@ def all_answered(collector, bootstrap: str, topic: str) -> bool:
 def members(bootstrap: str, group: str) -> int:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     (future,) = admin.describe_consumer_groups([group], request_timeout=10).values()
-    described = future.result(timeout=15)
+    try:
+        described = future.result(timeout=15)
+    except KafkaException:  # the coordinator still loading (a fresh broker): ask again
+        return 0
     return sum(1 for member in described.members if member.assignment.topic_partitions)
 
 
