@@ -29,7 +29,9 @@ class RegistryConfig(FrozenModel):
     """Base URL of a Confluent-compatible API (Apicurio: `.../apis/ccompat/v7`)."""
     timeout_s: float = Field(10.0, gt=0, le=300)
     """Longest one registry call may take."""
-    known_schemas_file: Path | None = Path(".headrace/known-schemas.json")
+    known_schemas_file: Path | None = Field(
+        Path(".headrace/known-schemas.json"), validate_default=True
+    )
     """Where the ids and schemas the registry gave are kept (relative to the config
     file), so that a worker restarted while the registry is down decodes the ids it met
     before and keeps its answers' id. None: memory only."""

@@ -38,7 +38,7 @@ from streams.infer import Model
 from streams.pipeline import Pipeline
 from streams.publish import Publisher
 from streams.records import InputRecord
-from streams.runner import AckBatch, PipelineRunner
+from streams.runner import AckBatch, PausePartition, PipelineRunner
 
 log = logging.getLogger(__name__)
 
@@ -329,11 +329,13 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         wired = wire_pipelines(config, publisher, resources)
         log.info("headrace worker ready: %d pipeline(s), %s runtime", len(wired), config.runtime)
 
-        def make_runner(name: str, in_flight: InFlight, ack: AckBatch) -> PipelineRunner:
+        def make_runner(
+            name: str, in_flight: InFlight, ack: AckBatch, pause: PausePartition
+        ) -> PipelineRunner:
             parts = wired[name]
             return PipelineRunner(
                 parts.pipeline, parts.decoder, in_flight, ack, exit_on_fatal,
-                concurrent_inference=parts.sessions,
+                concurrent_inference=parts.sessions, pause=pause,
             )  # fmt: skip
 
         if config.runtime == "bare":

@@ -87,6 +87,16 @@ PAUSED = Gauge("headrace_fetch_paused", "1 while fetching is paused by backpress
 PAUSES = Counter(
     "headrace_fetch_pauses", "Times fetching was paused at the in-flight bound.", ["pipeline"]
 )
+REGISTRY_STALLED = Gauge(
+    "headrace_registry_stalled_partitions",
+    "Input partitions waiting for the schema registry (a schema id lookup failed).",
+    ["pipeline"],
+)
+REGISTRY_LOOKUP_FAILURES = Counter(
+    "headrace_registry_lookup_failures",
+    "Schema id lookups that failed (registry unreachable), each retried with backoff.",
+    ["pipeline"],
+)
 QUEUE_SECONDS = Histogram(
     "headrace_batch_queue_seconds",
     "Wait of a released batch for its next stage (features, inference or publish).",

@@ -5,10 +5,14 @@
       (in-flight bound: pause fetching at `high`, resume at `low`)
 
 Each chunk a consumer submits is decoded first, so every event enters the batcher with
-its deadline (computed once, from its event time). Admission happens as a batch is
-released and again before its inference, with the `CompletionModel`, which the batcher
-asks too: the runner reserves each admitted batch's model work until its run ends, and
-measures model runs, each batch's slowest stage and the rest of its path.
+its deadline (computed once, from its event time). A record whose schema id is not
+resolved yet waits, with the rest of its partition, while the decode stage looks the
+id up on a thread, for as long as the registry takes (`streams/holds.py`): other
+partitions go on, and a stalled partition is paused at its consumer. Lookup time is
+never measured as decode time. Admission happens as a batch is released and again
+before its inference, with the `CompletionModel`, which the batcher asks too: the
+runner reserves each admitted batch's model work until its run ends, and measures
+model runs, each batch's slowest stage and the rest of its path.
 
 While batch k is in the model, batch k+1 reads its features and batch k-1 is being
 published. Batches leave every stage in the order they entered, so outputs keep the
@@ -16,38 +20,42 @@ order of their inputs per key, and acknowledgements happen in offset order per
 partition, each only after its outcome is acknowledged by Kafka.
 
 A stage error that retries cannot fix ends the process (`on_fatal`): nothing that was
-not written is ever acknowledged, and a restarted worker answers it again.
+not written is ever acknowledged, and a restarted worker answers it again. A registry
+outage is not one: its records wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from features.errors import FeatureStoreError
 from models.errors import ModelError
-from schemas.errors import RegistryError
 from streams import metrics
 from streams.admit import CompletionModel, Estimates, Route
 from streams.backpressure import InFlight
 from streams.batching import BatchPolicy, MicroBatcher
 from streams.decode import EventDecoder
 from streams.errors import PublishError
+from streams.holds import LOOKUP_BACKOFF_S, Changes, PartitionHolds
 from streams.pipeline import Pipeline, Prepared
 from streams.records import InputRecord, Item
 
 log = logging.getLogger(__name__)
 
 RETRY_DELAYS_S = (0.1, 0.3, 1.0, 3.0, 10.0)
-TRANSIENT = (FeatureStoreError, ModelError, PublishError, RegistryError)
+TRANSIENT = (FeatureStoreError, ModelError, PublishError)
 
 # Called once per written batch with the handles submitted with its records, in order.
 AckBatch = Callable[[list[Any]], None]
+# Called on the event loop to stop (True) or restart (False) fetching one partition
+# (topic, partition) of the pipeline's input; never blocks.
+PausePartition = Callable[[str, int, bool], None]
 
 
 @dataclass
@@ -78,6 +86,8 @@ class PipelineRunner:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         retry_delays_s: Sequence[float] = RETRY_DELAYS_S,
+        pause: PausePartition | None = None,
+        lookup_backoff_s: tuple[float, float] = LOOKUP_BACKOFF_S,
     ) -> None:
         self.pipeline = pipeline
         self._retry_delays_s = tuple(retry_delays_s)
@@ -98,10 +108,12 @@ class PipelineRunner:
             service=self._completion,
         )
         self._batcher: MicroBatcher[Item] = MicroBatcher(self.policy, clock, wall_clock)
-        # Submitted chunks waiting for decode: bounded by the in-flight bound, which
-        # stops the consumer before it submits more.
-        self._to_decode: deque[tuple[Sequence[InputRecord], Sequence[Any]]] = deque()
+        # Records waiting for their schema ids, per partition; a partition is paused
+        # once it holds a batch's worth, so they stay well within the in-flight bound.
+        self._holds = PartitionHolds(spec.max_batch_size, lookup_backoff_s, clock)
+        self._pause = pause
         self._submitted = asyncio.Event()
+        self._bug: tuple[BaseException, Sequence[InputRecord]] | None = None
         self._draining = False
         self._to_infer: asyncio.Queue = asyncio.Queue(maxsize=1)
         self._to_publish: asyncio.Queue = asyncio.Queue(maxsize=concurrent_inference)
@@ -110,6 +122,8 @@ class PipelineRunner:
         self._inference_wait = metrics.QUEUE_SECONDS.labels(self._name, "inference")
         self._publish_wait = metrics.QUEUE_SECONDS.labels(self._name, "publish")
         self._retries = metrics.RETRIES.labels(self._name)
+        self._stalled = metrics.REGISTRY_STALLED.labels(self._name)
+        self._lookup_failures = metrics.REGISTRY_LOOKUP_FAILURES.labels(self._name)
         self._metrics = pipeline.metrics
 
     def _seed_run_times(self) -> None:
@@ -124,18 +138,21 @@ class PipelineRunner:
         """Hand consumed records over, each with the handle the ack callback receives.
         Never blocks: the consumer bounds what it submits (the in-flight bound)."""
         self.in_flight.add(len(records))
-        if not self._to_decode and not self._decoder.needs_lookup(records):
-            # The common case, decoded at once: a hop through the decode stage costs a
-            # loop iteration per chunk, which the Faust runtime's loop makes milliseconds.
+        # Decoded at once, except what waits for a schema id: a hop through the decode
+        # stage costs a loop iteration per chunk, which the Faust runtime makes milliseconds.
+        if self._holds or self._decoder.needs_lookup(records):
+            changes = self._holds.add(records, handles, self._decoder.lookup_ids(records))
+            self._carry_out(changes)
+            if self._holds.due():  # an id met for the first time: look it up now
+                self._submitted.set()
+            records = [record for record, _ in changes.ready]
+            handles = [handle for _, handle in changes.ready]
+        if records:
             try:
-                items = self._decoder.decode_known(records, handles)
-            except Exception:  # a bug: never let it escape into the consumer (Faust
-                pass  # would ack the chunk); the decode stage meets it and stops the worker
-            else:
-                self._batcher.put(items, [item.deadline_s for item in items])
-                return
-        self._to_decode.append((records, handles))
-        self._submitted.set()
+                self._put(records, handles)
+            except Exception as exc:  # a bug: never let it escape into the consumer (Faust
+                self._bug = (exc, records)  # would ack the chunk): the decode stage meets
+                self._submitted.set()  # it and stops the worker
 
     async def start(self) -> None:
         if not self._tasks:
@@ -153,12 +170,33 @@ class PipelineRunner:
         if not task.cancelled() and task.exception() is not None:
             self._on_fatal(task.exception(), [])
 
-    async def drain(self) -> None:
-        """Release everything pending and wait until every submitted record is acked."""
+    async def drain(self) -> list[Any]:
+        """Release everything pending and wait until every submitted record is acked,
+        except records waiting for their schema ids: those are given up, unacknowledged
+        (a stop does not wait for the registry; the next worker reads them again), and
+        their handles returned."""
         self._draining = True
-        if not self._to_decode:  # else the decode stage flushes once it is empty
-            self._batcher.flush()
+        given_up = await self.give_up_held()
+        self._batcher.flush()
         await self.in_flight.wait_below(1)
+        return given_up
+
+    async def give_up_held(self, partitions: Sequence[tuple[str, int]] | None = None) -> list[Any]:
+        """Drop the records of `partitions` (None: all) waiting for their schema ids,
+        unanswered and unacknowledged, and return their handles: for a stop or a
+        rebalance, which must not wait for the registry (Kafka hands them out again).
+        Their fetching is the caller's from here on."""
+        changes = self._holds.give_up(partitions)
+        self._stalled.dec(len(changes.flowing))
+        if changes.ready:
+            where = sorted({(record.topic, record.partition) for record, _ in changes.ready})
+            log.warning(
+                "pipeline %s: %d records of %s wait for their schema ids: left unanswered "
+                "and unacknowledged, to be read again", self._name, len(changes.ready),
+                ", ".join(f"{topic}[{partition}]" for topic, partition in where),
+            )  # fmt: skip
+            await self.in_flight.done(len(changes.ready))
+        return [handle for _, handle in changes.ready]
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -169,16 +207,56 @@ class PipelineRunner:
     # Stages ---------------------------------------------------------------------
 
     async def _decode(self) -> None:
+        """Looks up the schema ids held records wait for (on a thread), again after a
+        backoff while the registry fails, and hands on the records each lookup frees."""
+        holds = self._holds
         while True:
-            while not self._to_decode:
-                self._submitted.clear()
-                await self._submitted.wait()
-            records, handles = self._to_decode[0]
-            items = await self._retrying(records, "decode", self._decoder.decode, records, handles)
-            self._to_decode.popleft()
-            self._batcher.put(items, [item.deadline_s for item in items])
-            if self._draining and not self._to_decode:
-                self._batcher.flush()
+            if self._bug is not None:
+                self._on_fatal(*self._bug)
+            due = holds.due()
+            if due:
+                failed = await self._decoder.resolve(due)
+                holds.looked_up(due, failed)
+                self._lookup_failures.inc(len(failed))
+                changes = holds.release()
+                self._carry_out(changes)
+                if changes.ready:
+                    records = [record for record, _ in changes.ready]
+                    try:
+                        self._put(records, [handle for _, handle in changes.ready])
+                    except Exception as exc:  # a bug: never ack what it may have skipped
+                        self._on_fatal(exc, records)
+                continue
+            self._submitted.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._submitted.wait(), holds.next_due_s())
+
+    def _put(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
+        items = self._decoder.decode_known(records, handles)
+        self._batcher.put(items, [item.deadline_s for item in items])
+        if self._draining:
+            self._batcher.flush()
+
+    def _carry_out(self, changes: Changes) -> None:
+        """Pause, resume and report partitions as the holds decided (not `ready`)."""
+        if self._pause is not None:
+            for topic, partition in changes.pause:
+                self._pause(topic, partition, True)
+            for topic, partition in changes.resume:
+                self._pause(topic, partition, False)
+        for stall in changes.stalled:
+            self._stalled.inc()
+            log.warning(
+                "pipeline %s: %s[%d] stalled: schema id %d cannot be resolved (%s); its "
+                "records wait, other partitions go on, retrying with backoff",
+                self._name, *stall.partition, stall.schema_id, stall.error,
+            )  # fmt: skip
+        for flowing in changes.flowing:
+            self._stalled.dec()
+            log.warning(
+                "pipeline %s: %s[%d] flows again after %.1f s stalled (%d records held)",
+                self._name, *flowing.partition, flowing.stalled_s, flowing.held,
+            )  # fmt: skip
 
     async def _release(self) -> None:
         while True:
@@ -270,5 +348,5 @@ class PipelineRunner:
                 self._on_fatal(exc, records)
 
 
-MakeRunner = Callable[[str, InFlight, AckBatch], PipelineRunner]
+MakeRunner = Callable[[str, InFlight, AckBatch, PausePartition], PipelineRunner]
 """What a consumer runtime is given: builds the runner of the pipeline with this name."""

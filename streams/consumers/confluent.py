@@ -7,7 +7,8 @@ offset, which librdkafka commits in the background and on close) are queued for 
 thread, which runs them between polls. The same thread enforces the in-flight bound:
 it counts what it handed over and what was acknowledged, and pauses the topic's
 partitions at `max_in_flight` (resuming at `resume_in_flight`) before it could hand
-over more, so the bound holds within one chunk.
+over more, so the bound holds within one chunk. A runner can pause one partition (its
+records wait for the schema registry): that pause outlasts the bound's resume.
 Partitions move with the cooperative-sticky assignor: a rebalance takes away only the
 partitions that move, and before they go the poll thread waits (in `on_revoke`) for the
 runners to write what it handed over from them, and commits it, so their next owner
@@ -79,13 +80,17 @@ class BareConsumer:
         self._revoke_timeout_s = config.broker.session_timeout_ms / 1000
         self._bounds: dict[str, tuple[int, int]] = {}
         self._paused: set[str] = set()
+        # Partitions a runner paused (records waiting for the registry); poll thread's.
+        self._held: set[tuple[str, int]] = set()
         self._progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
         self._marks = ConfluentMarks(self._consumer, self._progress)
         for spec in config.pipelines:
             topic = spec.input_topic
             # The poll thread pauses fetching; this one keeps the metrics.
             in_flight = InFlight(spec.name, spec.max_in_flight, spec.resume_at)
-            self._runners[topic] = make_runner(spec.name, in_flight, self._store_offsets)
+            self._runners[topic] = make_runner(
+                spec.name, in_flight, self._store_offsets, self._hold_partition
+            )
             self._handed_over[topic] = 0
             self._bounds[topic] = (spec.max_in_flight, spec.resume_at)
         self._stopping = threading.Event()
@@ -102,6 +107,7 @@ class BareConsumer:
             await runner.start()
         self._consumer.subscribe(list(self._runners), on_revoke=self._finish_revoked)
         poller = threading.Thread(target=self._poll, args=(loop,), name="kafka-consumer")
+        self._loop, self._poller = loop, poller
         poller.start()
         try:
             await stop.wait()
@@ -109,7 +115,7 @@ class BareConsumer:
             self._stopping.set()
             await loop.run_in_executor(None, poller.join)
             for runner in self._runners.values():
-                await runner.drain()
+                self._forget(await runner.drain())  # held for the registry: not waited for
                 await runner.stop()
             # The drained batches queued their offsets for the poll thread, which is gone:
             # store them here (nothing polls any more), so the close commits them.
@@ -195,6 +201,7 @@ class BareConsumer:
         for the runners to write what was handed over from them (their acks arrive as
         queued calls), then commit, so the next owner starts after the last answer."""
         revoked = [(tp.topic, tp.partition) for tp in partitions]
+        self._give_up_held(revoked)
         deadline = time.monotonic() + self._revoke_timeout_s
         while any(self._unwritten[tp] > 0 for tp in revoked) and time.monotonic() < deadline:
             with contextlib.suppress(queue.Empty):
@@ -210,11 +217,55 @@ class BareConsumer:
         except KafkaException as exc:  # nothing stored since the last commit, mostly
             log.debug("commit on revoke: %s", exc)
 
+    def _give_up_held(self, revoked: list[tuple[str, int]]) -> None:
+        """Poll thread, before `revoked` go: the records the runners hold from them for
+        the schema registry are given up (their next owner reads them), so the revoke
+        does not wait for the registry; a held partition is resumed before it goes."""
+        if threading.current_thread() is not self._poller:  # the close: drained already
+            return
+        self._run_queued_calls()  # pauses asked for before
+        for topic, partition in revoked:
+            if (topic, partition) in self._held:
+                self._held.discard((topic, partition))
+                self._consumer.resume([TopicPartition(topic, partition)])
+        for runner in self._runners.values():
+            given_up = asyncio.run_coroutine_threadsafe(runner.give_up_held(revoked), self._loop)
+            try:
+                self._forget(given_up.result(timeout=self._revoke_timeout_s))
+            except TimeoutError:
+                log.warning("records held for the registry not given up in time")
+
+    def _forget(self, handles: list[tuple[str, int, int]]) -> None:
+        """Count records given up (unanswered, unacknowledged) as no longer handed over."""
+        for topic, partition, _ in handles:
+            self._handed_over[topic] -= 1
+            self._unwritten[(topic, partition)] -= 1
+
     def _pause(self, topic: str, paused: bool) -> None:
-        """Pause or resume a topic's assigned partitions (poll thread only)."""
-        partitions = [tp for tp in self._consumer.assignment() if tp.topic == topic]
+        """Pause or resume a topic's assigned partitions, except held ones (poll thread only)."""
+        partitions = [
+            tp for tp in self._consumer.assignment()
+            if tp.topic == topic and (paused or (topic, tp.partition) not in self._held)
+        ]  # fmt: skip
         if partitions:
             (self._consumer.pause if paused else self._consumer.resume)(partitions)
+
+    def _hold_partition(self, topic: str, partition: int, paused: bool) -> None:
+        """Pause or resume one partition for its runner; queued for the poll thread.
+        librdkafka drops what it prefetched of a paused partition and fetches again
+        from the next offset not yet handed over when it resumes."""
+
+        def hold() -> None:
+            (self._held.add if paused else self._held.discard)((topic, partition))
+            if paused or topic not in self._paused:  # else the bound's resume restarts it
+                call = self._consumer.pause if paused else self._consumer.resume
+                try:
+                    call([TopicPartition(topic, partition)])
+                except KafkaException as exc:  # no longer assigned: nothing to pause
+                    log.warning("could not %s %s[%d]: %s",
+                                "pause" if paused else "resume", topic, partition, exc)  # fmt: skip
+
+        self._calls.put(hold)
 
 
 def _input_record(message: Message) -> InputRecord:

@@ -22,6 +22,7 @@ import contextlib
 import tempfile
 
 import faust
+from faust.types import TP
 
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
@@ -105,7 +106,11 @@ def _add_agent(
             consumer_ack(message)
         progress.answered({(m.topic, m.partition): m.offset for m in messages})
 
-    runner = make_runner(name, in_flight, ack)
+    def hold(topic: str, partition: int, paused: bool) -> None:
+        app.consumer.hold(TP(topic, partition), paused)
+
+    runner = make_runner(name, in_flight, ack, hold)
+    app.holders.append(runner.give_up_held)
     app.add_feed(topic)
 
     async def consume(_stream) -> None:

@@ -17,16 +17,20 @@ feed (none in a headrace worker) still go through Faust's own path.
 
 Backpressure: an agent at its in-flight bound stops taking chunks, its queue fills,
 the fetch loop waits on it, and aiokafka stops fetching once its own buffer is full.
+A runner can pause one partition whose records wait for the schema registry
+(`BulkConsumer.hold`); what it holds is given up before Faust waits for acks (a stop
+or a rebalance), so neither waits for the registry.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
-from faust.types import Message
+from faust.types import TP, Message
 
 # Chunks waiting for an agent: one being fetched while one is handed over.
 FEED_CHUNKS = 2
@@ -83,6 +87,9 @@ class BulkConsumer(faust_aiokafka.Consumer):
         read_offsets = self._read_offset
         try:
             while not (consumer_stopped() or fetcher_stopped()):
+                if self._to_pause:  # between fetches only: see `hold`
+                    self.pause_partitions(self._to_pause)
+                    self._to_pause = frozenset()
                 chunks: dict[str, list[Message]] = {}
                 others: list[Message] = []
                 fetched = 0
@@ -120,6 +127,30 @@ class BulkConsumer(faust_aiokafka.Consumer):
         rebalance or a stop completes."""
         self._unacked_messages.update(messages)
 
+    _to_pause: frozenset[TP] = frozenset()
+
+    def hold(self, tp: TP, paused: bool) -> None:
+        """Stop (True) or restart fetching one partition for its agent. A pause waits for
+        the fetch loop's next turn: Faust drops the records a fetch in progress brings
+        for a partition paused meanwhile, and, never acknowledged, they would stop the
+        partition's commits there (the known trap of `resume_partitions`)."""
+        if paused:
+            self._to_pause = self._to_pause | {tp}
+        elif tp in self._to_pause:
+            self._to_pause = self._to_pause - {tp}
+        elif tp in self._paused_partitions and self.flow_active:
+            # (In a rebalance Faust holds every partition paused, and resumes them itself.)
+            self.resume_partitions({tp})
+
+    async def wait_empty(self) -> None:
+        """Faust's wait for every taken record's ack (a stop, a rebalance), after the
+        runners gave up the records they hold for the schema registry: unacknowledged,
+        Kafka hands them out again, and neither waits for the registry."""
+        for give_up in self.app.holders:
+            self._unacked_messages.difference_update(await give_up())
+        self._to_pause = frozenset()  # nothing is held now; Faust resumes what it paused
+        await super().wait_empty()
+
     async def _commit_if_due(self) -> None:
         every = self._commit_every
         if every is not None and self._n_acked >= every:
@@ -139,6 +170,8 @@ class FeedApp(faust.App):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.feeds: dict[str, asyncio.Queue] = {}
+        self.holders: list[Callable[[], Awaitable[list[Message]]]] = []
+        """Each runner's `give_up_held`, called before Faust waits for acks."""
         self.fetch = fetch
         """(fetch_max_wait_ms, fetch_min_bytes) of a busy fetch (the broker config's)."""
         self.fetch_max_bytes = fetch_max_bytes

@@ -36,6 +36,13 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path):
     assert config.pipelines[0].model.path == tmp_path / "models" / "m.onnx"
 
 
+def test_the_known_schemas_file_is_the_config_files_own(tmp_path):
+    # Not the working directory's: registries elsewhere give the same ids other schemas.
+    data = {**valid(), "registry": {"url": "http://127.0.0.1:8081/apis/ccompat/v7"}}
+    config = load_config(write(tmp_path, data))
+    assert config.registry.known_schemas_file == tmp_path / ".headrace" / "known-schemas.json"
+
+
 def test_defaults_fill_what_is_left_out(tmp_path):
     data = valid()
     del data["pipelines"][0]["max_batch_size"]

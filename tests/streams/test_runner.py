@@ -5,11 +5,13 @@ and anything else stops the worker without acknowledging."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
 from features.errors import FeatureStoreError
+from schemas.errors import RegistryError
 from streams import metrics
 from streams.admit import Route
 from streams.backpressure import InFlight
@@ -27,8 +29,8 @@ class FakeDecoder:
     def needs_lookup(self, records) -> bool:
         return records[0].offset % 8 == 4  # every other chunk of 4 takes the slow path
 
-    async def decode(self, records, handles):
-        return self.decode_known(records, handles)
+    def lookup_ids(self, records):
+        return [None] * len(records)
 
     def decode_known(self, records, handles):
         if any(record.value == b"bug" for record in records):
@@ -202,3 +204,95 @@ async def test_a_bug_in_decoding_stops_the_worker_instead_of_reaching_the_consum
     await run.stop()
     assert isinstance(fatal[0][0], TypeError) and fatal[0][1] == [0]
     assert acked == []
+
+
+class RegistryDecoder(FakeDecoder):
+    """Records name their schema id in their value (b"7"); ids not known yet are looked
+    up in a fake registry, which fails while `down`."""
+
+    def __init__(self, changed: asyncio.Event, known: set[int]) -> None:
+        self.changed = changed
+        self.known = set(known)
+        self.down = True
+        self.attempts: list[int] = []
+
+    def needs_lookup(self, records) -> bool:
+        return any(i is not None for i in self.lookup_ids(records))
+
+    def lookup_ids(self, records):
+        return [None if int(r.value) in self.known else int(r.value) for r in records]
+
+    async def resolve(self, ids):
+        self.attempts += ids
+        self.changed.set()
+        if self.down:
+            return {i: RegistryError(f"registry down for id {i}") for i in ids}
+        self.known |= set(ids)
+        return {}
+
+    def decode_known(self, records, handles):
+        unresolved = [r.offset for r in records if int(r.value) not in self.known]
+        assert not unresolved, f"decoded before their ids resolved: {unresolved}"
+        return super().decode_known(records, handles)
+
+
+def records_of(partition: int, first: int, ids: list[int]) -> list[InputRecord]:
+    return [InputRecord("in", partition, first + n, 0, b"k", b"%d" % i) for n, i in enumerate(ids)]
+
+
+async def test_an_unresolvable_id_stalls_only_its_partition_which_flows_in_order_once_resolved():
+    pipeline, acked, paused = FakePipeline(), [], []
+    decoder = RegistryDecoder(pipeline.changed, known={1})
+
+    def on_fatal(error, records):
+        raise AssertionError(f"the worker gave up: {error!r}")
+
+    run = PipelineRunner(
+        pipeline, decoder, InFlight("runner-test", 1000, 500),
+        lambda handles: (acked.extend(handles), pipeline.changed.set()), on_fatal,
+        clock=time.monotonic, wall_clock=lambda: 1_800_000_000.0,
+        pause=lambda *args: paused.append(args), lookup_backoff_s=(0.001, 0.01),
+    )  # fmt: skip
+    stalled = metrics.REGISTRY_STALLED.labels(pipeline.config.name)
+
+    def answered(partition: int) -> list[int]:
+        return [offset for p, offset in acked if p == partition]
+
+    def submit(chunk: list[InputRecord]) -> None:
+        run.submit(chunk, [(r.partition, r.offset) for r in chunk])
+
+    await run.start()
+    # Partition 1 meets id 2, which the registry cannot give now; partition 0 knows its id.
+    submit(records_of(0, 0, [1, 1]) + records_of(1, 0, [1, 2, 1]) + records_of(0, 2, [1]))
+    await wait_for(pipeline, lambda: answered(0) == [0, 1, 2] and answered(1) == [0])
+    await wait_for(pipeline, lambda: decoder.attempts.count(2) >= 3)  # retried, never given up
+    assert paused == [("in", 1, True)] and stalled._value.get() == 1
+    submit(records_of(0, 3, [1, 1]) + records_of(1, 3, [1]))
+    await wait_for(pipeline, lambda: answered(0) == [0, 1, 2, 3, 4])
+    assert answered(1) == [0] and run.in_flight.count == 3  # held, still counted in flight
+    decoder.down = False
+    await wait_for(pipeline, lambda: answered(1) == [0, 1, 2, 3])
+    assert paused == [("in", 1, True), ("in", 1, False)] and stalled._value.get() == 0
+    await run.drain()
+    await run.stop()
+    assert run.in_flight.count == 0
+
+
+async def test_a_stop_gives_up_what_waits_for_the_registry_without_acknowledging_it():
+    pipeline, acked = FakePipeline(), []
+    decoder = RegistryDecoder(pipeline.changed, known={1})
+    run = PipelineRunner(
+        pipeline, decoder, InFlight("runner-test", 1000, 500),
+        lambda handles: (acked.extend(handles), pipeline.changed.set()),
+        lambda error, records: pytest.fail(f"the worker gave up: {error!r}"),
+        clock=time.monotonic, wall_clock=lambda: 1_800_000_000.0, lookup_backoff_s=(0.001, 0.01),
+    )  # fmt: skip
+    await run.start()
+    chunk = records_of(0, 0, [1, 2, 1]) + records_of(1, 0, [1])
+    run.submit(chunk, [(r.partition, r.offset) for r in chunk])
+    await wait_for(pipeline, lambda: len(decoder.attempts) >= 2)
+    async with asyncio.timeout(10):
+        given_up = await run.drain()  # does not wait for the registry
+    await run.stop()
+    assert sorted(acked) == [(0, 0), (1, 0)] and given_up == [(0, 1), (0, 2)]
+    assert run.in_flight.count == 0
