@@ -39,6 +39,7 @@ from streams.pipeline import Pipeline
 from streams.publish import Publisher
 from streams.records import InputRecord
 from streams.runner import AckBatch, PausePartition, PipelineRunner
+from streams.transact import BATCHES_AHEAD, TransactionalPublisher, transactional_id
 
 log = logging.getLogger(__name__)
 
@@ -319,11 +320,15 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         bootstrap = config.broker.bootstrap_servers
         # Sized by the limits of the topics it writes (read from Kafka: blocks briefly).
         written = [t for p in config.pipelines for t in (p.output_topic, p.dead_letter_topic)]
-        publisher = Publisher(
-            config.broker,
-            written,
-            client_settings(bootstrap, "publisher", config.broker.connect_timeout_s),
-        )
+        settings = client_settings(bootstrap, "publisher", config.broker.connect_timeout_s)
+        transactions = None
+        if config.delivery == "exactly_once":
+            # Aborts what a predecessor with this transactional id left open (blocks).
+            publisher = transactions = TransactionalPublisher(
+                config.broker, written, settings, transactional_id=transactional_id(config)
+            )
+        else:
+            publisher = Publisher(config.broker, written, settings)
         publisher.start()
         resources.callback(publisher.stop)
         wired = wire_pipelines(config, publisher, resources)
@@ -336,13 +341,14 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
             return PipelineRunner(
                 parts.pipeline, parts.decoder, in_flight, ack, exit_on_fatal,
                 concurrent_inference=parts.sessions, pause=pause,
+                publish_ahead=BATCHES_AHEAD if transactions is not None else 0,
             )  # fmt: skip
 
         if config.runtime == "bare":
             from streams.consumers.confluent import BareConsumer
 
             heap.settle_heap()
-            asyncio.run(BareConsumer(config, make_runner).serve())
+            asyncio.run(BareConsumer(config, make_runner, transactions, exit_on_fatal).serve())
             return
         from streams.consumers import faust
 

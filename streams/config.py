@@ -205,12 +205,27 @@ class HeadraceConfig(_Frozen):
     batcher and stages without Faust (leaner; see the benchmark for the difference)."""
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """The asyncio event loop implementation: uvloop (faster hand-offs) or the standard one."""
+    delivery: Literal["at_least_once", "exactly_once"] = "at_least_once"
+    """`at_least_once`: a batch's offsets are committed once its outcomes are written
+    (a crash can make the next worker answer the uncommitted ones again);
+    `exactly_once`: a batch's outcomes and its offsets are committed in one Kafka
+    transaction (bare runtime only; consumers read with isolation.level=read_committed)."""
     broker: BrokerConfig = BrokerConfig()
     registry: RegistryConfig | None = None
     """Without a registry, schema ids resolve from the local catalogue in `schemas/`."""
     features: FeaturesConfig = FeaturesConfig()
     metrics: MetricsConfig = MetricsConfig()
     pipelines: list[PipelineConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_once_runtime(self) -> HeadraceConfig:
+        if self.delivery == "exactly_once" and self.runtime != "bare":
+            raise ValueError(
+                f"delivery: exactly_once needs runtime: bare, got runtime: {self.runtime} "
+                "(Faust commits offsets itself, outside any transaction); hint: set "
+                "runtime: bare"
+            )
+        return self
 
     @field_validator("pipelines")
     @classmethod

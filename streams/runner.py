@@ -88,6 +88,7 @@ class PipelineRunner:
         retry_delays_s: Sequence[float] = RETRY_DELAYS_S,
         pause: PausePartition | None = None,
         lookup_backoff_s: tuple[float, float] = LOOKUP_BACKOFF_S,
+        publish_ahead: int = 0,
     ) -> None:
         self.pipeline = pipeline
         self._retry_delays_s = tuple(retry_delays_s)
@@ -117,6 +118,12 @@ class PipelineRunner:
         self._draining = False
         self._to_infer: asyncio.Queue = asyncio.Queue(maxsize=1)
         self._to_publish: asyncio.Queue = asyncio.Queue(maxsize=concurrent_inference)
+        # With a publisher that commits batches in transactions (exactly-once), up to
+        # `publish_ahead` later batches are handed over while one commits (the next
+        # transaction takes them together); acknowledged in order as each commits.
+        self._committing: asyncio.Queue | None = (
+            asyncio.Queue(maxsize=publish_ahead) if publish_ahead else None
+        )
         self._tasks: list[asyncio.Task] = []
         self._target_size = metrics.BATCH_TARGET.labels(self._name)
         self._inference_wait = metrics.QUEUE_SECONDS.labels(self._name, "inference")
@@ -162,6 +169,10 @@ class PipelineRunner:
                 asyncio.create_task(self._infer(), name=f"{self._name}-infer"),
                 asyncio.create_task(self._publish(), name=f"{self._name}-publish"),
             ]
+            if self._committing is not None:
+                self._tasks.append(
+                    asyncio.create_task(self._acknowledge_committed(), name=f"{self._name}-ack")
+                )
             for task in self._tasks:
                 task.add_done_callback(self._stage_ended)
 
@@ -200,6 +211,8 @@ class PipelineRunner:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
+        while self._committing is not None and not self._committing.empty():
+            tasks.append(self._committing.get_nowait()[2])  # batches still committing
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -311,15 +324,32 @@ class PipelineRunner:
             # Records Kafka refuses are dead-lettered by the publisher; what it retries
             # here is Kafka being unwritable for now, and each retry sends only the
             # outcomes Kafka has not acknowledged (`prepared.outgoing` keeps them).
-            await self._retrying(batch.records, "publish", self.pipeline.publish, prepared)
-            self._ack([item.handle for item in batch.items])
-            done = self._clock()
-            size = len(batch.items)
-            publish_s = done - started
-            slowest_s = max(batch.outside_model_s, *prepared.run_seconds.values(), publish_s)
-            self._completion.slowest_stages.observe(size, slowest_s, done)
-            self._completion.rest.observe(size, batch.outside_model_s + publish_s, done)
-            await self.in_flight.done(size)
+            written = self._retrying(batch.records, "publish", self.pipeline.publish, prepared)
+            if self._committing is None:
+                await written
+                await self._acknowledge(batch, prepared, started)
+            else:
+                # Handed over now, in order; the next batch follows while it commits.
+                committing = asyncio.ensure_future(written)
+                await self._committing.put((batch, prepared, committing, started))
+
+    async def _acknowledge_committed(self) -> None:
+        while True:
+            batch, prepared, committing, started = await self._committing.get()
+            await committing
+            await self._acknowledge(batch, prepared, started)
+
+    async def _acknowledge(self, batch: _Batch, prepared: Prepared, started: float) -> None:
+        self._ack([item.handle for item in batch.items])
+        done = self._clock()
+        size = len(batch.items)
+        publish_s = done - started
+        # A batch that commits while later ones are handed over does not hold them up.
+        publish_bound_s = publish_s if self._committing is None else 0.0
+        slowest_s = max(batch.outside_model_s, *prepared.run_seconds.values(), publish_bound_s)
+        self._completion.slowest_stages.observe(size, slowest_s, done)
+        self._completion.rest.observe(size, batch.outside_model_s + publish_s, done)
+        await self.in_flight.done(size)
 
     def _estimates(
         self, check: str, now: float, batch_size: int, own_reservation_s: float = 0.0

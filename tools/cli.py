@@ -548,6 +548,13 @@ def demo(
     show_default=True,
     help="Overload scenario's model: heavy (model-bound capacity) or the sample MLP.",
 )
+@click.option(
+    "--delivery",
+    type=click.Choice(["at_least_once", "exactly_once"]),
+    default="at_least_once",
+    show_default=True,
+    help="The workers' delivery; exactly_once runs on the bare runtime only (Faust skipped).",
+)
 @click.option("--bootstrap", help="Use this running broker instead of a private one.")
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True
@@ -571,6 +578,7 @@ def bench(
     scenario: str,
     runtimes: tuple[str, ...],
     overload_model: str,
+    delivery: str,
     bootstrap: str | None,
     out: Path,
 ) -> None:
@@ -602,6 +610,7 @@ def bench(
         scenario=scenario,
         runtimes=runtimes or ("bare", "faust"),
         overload_model=overload_model,
+        delivery=delivery,
         bootstrap_servers=bootstrap,
         state_dir=DEFAULT_STATE / "bench",
     )

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, Message
 
@@ -25,6 +26,9 @@ class TopicReader:
 
     `handle(messages, read_ms)` runs in that thread and returns how many items it
     kept; `wait_for(count)` blocks until that many were kept or time ran out.
+    `isolation_level`: `read_committed` (librdkafka's default) sees records of committed
+    transactions only, and each as its transaction commits; `read_uncommitted` sees
+    every record written, aborted transactions' included.
     """
 
     def __init__(
@@ -32,6 +36,7 @@ class TopicReader:
         bootstrap_servers: str,
         topics: list[str],
         handle: Callable[[list[Message], float], int],
+        isolation_level: Literal["read_committed", "read_uncommitted"] = "read_committed",
     ) -> None:
         self._consumer = Consumer(
             {
@@ -39,6 +44,7 @@ class TopicReader:
                 "group.id": f"headrace-reader-{uuid.uuid4().hex[:8]}",
                 "auto.offset.reset": "earliest",
                 "enable.auto.commit": False,
+                "isolation.level": isolation_level,
                 # Read as soon as anything arrives: this consumer measures latency.
                 "fetch.wait.max.ms": 5,
             }
@@ -110,12 +116,15 @@ class OutcomeCollector:
         output_topic: str,
         dead_letter_topic: str,
         decoder: AvroDecoder,
+        isolation_level: Literal["read_committed", "read_uncommitted"] = "read_committed",
     ) -> None:
         self._output_topic = output_topic
         self._decoder = decoder
         self._outcomes = Outcomes()
         self._lock = threading.Lock()
-        self._reader = TopicReader(bootstrap_servers, [output_topic, dead_letter_topic], self._keep)
+        self._reader = TopicReader(
+            bootstrap_servers, [output_topic, dead_letter_topic], self._keep, isolation_level
+        )
 
     def start(self) -> OutcomeCollector:
         self._reader.start()

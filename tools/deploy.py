@@ -90,6 +90,8 @@ def sample_config(
     default_score: float | None = None,
     priority: dict[str, Any] | None = None,
     clicks_model: Path | None = None,
+    delivery: str = "at_least_once",
+    instance_id: str | None = None,
 ) -> dict[str, Any]:
     """The sample fraud pipeline's config as a plain dict (what a YAML file would hold),
     with the click-intent pipeline beside it when `clicks_model` is given.
@@ -99,6 +101,7 @@ def sample_config(
     config: dict[str, Any] = {
         "app_id": f"headrace{suffix}",
         "runtime": runtime,
+        "delivery": delivery,
         "broker": {"bootstrap_servers": bootstrap_servers},
         "features": {"repo_path": str(repo_path)},
         "metrics": {"port": metrics_port},
@@ -131,6 +134,8 @@ def sample_config(
         config["pipelines"].append(clicks)
     if registry_url:
         config["registry"] = {"url": registry_url}
+    if instance_id is not None:
+        config["broker"]["instance_id"] = instance_id
     return config
 
 

@@ -14,6 +14,12 @@ partitions that move, and before they go the poll thread waits (in `on_revoke`) 
 runners to write what it handed over from them, and commits it, so their next owner
 repeats nothing; the partitions that stay keep flowing.
 It exists to measure what Faust costs and as a leaner choice (`runtime: bare`).
+
+With `delivery: exactly_once` nothing is stored or committed here: each batch's offsets
+go into the transaction that writes its outcomes (`streams/transact.py`), sent with the
+consumer's group metadata, which the poll thread reads for the publisher. A partition
+revoked before the transactions of what was handed over from it are committed ends
+the worker (exit 70): committing them later could repeat its next owner's answers.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
@@ -36,6 +43,7 @@ from streams.config import HeadraceConfig
 from streams.lag import ConfluentMarks, InputProgress
 from streams.records import InputRecord
 from streams.runner import MakeRunner, PipelineRunner
+from streams.transact import TransactionalPublisher, UnfinishedRevoke
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +51,22 @@ log = logging.getLogger(__name__)
 class BareConsumer:
     """Consumes the pipelines' input topics and dispatches records to their runners."""
 
-    def __init__(self, config: HeadraceConfig, make_runner: MakeRunner) -> None:
+    def __init__(
+        self,
+        config: HeadraceConfig,
+        make_runner: MakeRunner,
+        transactions: TransactionalPublisher | None = None,
+        on_fatal: Callable[[BaseException, Sequence[InputRecord]], NoReturn] | None = None,
+    ) -> None:
         bootstrap, timeout_s = config.broker.bootstrap_servers, config.broker.connect_timeout_s
         self._consumer = Consumer(
             {
                 **client_settings(bootstrap, "consumer", timeout_s),
                 "group.id": config.app_id,
                 "auto.offset.reset": "earliest",
-                # Commit only what the runners acknowledged (stored), in the background.
-                "enable.auto.commit": True,
+                # Commit only what the runners acknowledged (stored), in the background;
+                # exactly-once commits each batch's offsets in its transaction instead.
+                "enable.auto.commit": transactions is None,
                 "enable.auto.offset.store": False,
                 "auto.commit.interval.ms": config.broker.commit_interval_ms,
                 "partition.assignment.strategy": "cooperative-sticky",
@@ -80,10 +95,10 @@ class BareConsumer:
         self._revoke_timeout_s = config.broker.session_timeout_ms / 1000
         self._bounds: dict[str, tuple[int, int]] = {}
         self._paused: set[str] = set()
-        # Partitions a runner paused (records waiting for the registry); poll thread's.
-        self._held: set[tuple[str, int]] = set()
         self._progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
         self._marks = ConfluentMarks(self._consumer, self._progress)
+        # Partitions a runner paused (records waiting for the registry); poll thread's.
+        self._held: set[tuple[str, int]] = set()
         for spec in config.pipelines:
             topic = spec.input_topic
             # The poll thread pauses fetching; this one keeps the metrics.
@@ -94,6 +109,12 @@ class BareConsumer:
             self._handed_over[topic] = 0
             self._bounds[topic] = (spec.max_in_flight, spec.resume_at)
         self._stopping = threading.Event()
+        self._transactions = transactions
+        self._on_fatal = on_fatal
+        # Whether the poll thread runs `_calls` (else they run where they are made).
+        self._polling = True
+        if transactions is not None:
+            transactions.attach(self.group_metadata)
         # Consumer calls from the loop thread, run by the poll thread between polls.
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 
@@ -114,6 +135,8 @@ class BareConsumer:
         finally:
             self._stopping.set()
             await loop.run_in_executor(None, poller.join)
+            self._polling = False
+            self._run_queued_calls()  # made while the poll thread was ending
             for runner in self._runners.values():
                 self._forget(await runner.drain())  # held for the registry: not waited for
                 await runner.stop()
@@ -188,6 +211,8 @@ class BareConsumer:
         def store() -> None:
             self._handed_over[topic] -= len(handles)
             self._unwritten.subtract((t, p) for t, p, _ in handles)
+            if self._transactions is not None:
+                return  # committed in the batch's transaction
             try:
                 self._consumer.store_offsets(offsets=offsets)
             except KafkaException as exc:
@@ -207,6 +232,8 @@ class BareConsumer:
             with contextlib.suppress(queue.Empty):
                 self._calls.get(timeout=0.05)()
         left = sum(max(0, self._unwritten[tp]) for tp in revoked)
+        if left and self._transactions is not None and self._on_fatal is not None:
+            self._on_fatal(UnfinishedRevoke(left, revoked), [])
         if left:
             log.warning("%d records of revoked partitions not written in time: their "
                         "next owner answers them again", left)  # fmt: skip
@@ -216,6 +243,22 @@ class BareConsumer:
             consumer.commit(asynchronous=False)
         except KafkaException as exc:  # nothing stored since the last commit, mostly
             log.debug("commit on revoke: %s", exc)
+
+    async def group_metadata(self) -> bytes:
+        """The consumer's group metadata (for offsets sent to a transaction), read by the
+        poll thread: from another thread the call would wait behind a poll."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[bytes] = loop.create_future()
+
+        def read() -> None:
+            metadata = self._consumer.consumer_group_metadata()
+            loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(metadata))
+
+        if self._polling:
+            self._calls.put(read)
+        else:
+            read()  # nothing polls any more (the final drain)
+        return await answer
 
     def _give_up_held(self, revoked: list[tuple[str, int]]) -> None:
         """Poll thread, before `revoked` go: the records the runners hold from them for

@@ -1,22 +1,34 @@
 """Deployments for fault tests: the sample pipeline with topics created with the
 configs a fault needs (an input topic that accepts 5 MB records), and a reader that
-counts the outcomes of each input over the whole output and dead-letter topics."""
+counts the outcomes of each input over the whole output and dead-letter topics
+(`read_outcomes` reads them to their ends, committed transactions only or all)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 import pytest
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from infra.topics import delete_topics
 from models.train import fallback_path
+from schemas.catalogue import LocalCatalogue
+from schemas.codec import AvroDecoder
 from tests.conftest import Deployment
 from tests.helpers import PATIENT_BUDGET_MS
-from tools.collector import Outcomes
+from tools.collector import DeadLetter, Outcomes
 from tools.deploy import sample_config, write_config
 
 # An input topic that accepts records of up to 8 MiB (Kafka's default is about 1 MB).
@@ -123,3 +135,60 @@ def input_offsets(bootstrap: str, topic: str) -> set[tuple[int, int]]:
         return offsets
     finally:
         consumer.close()
+
+
+def read_outcomes(
+    deployment: Deployment,
+    isolation_level: Literal["read_committed", "read_uncommitted"] = "read_committed",
+    timeout_s: float = 60.0,
+) -> Outcomes:
+    """Every outcome in the pipeline's output and dead-letter topics, read from the
+    beginning to the end each partition has now (Kafka's end-of-partition events: a
+    topic written in transactions ends with a marker, not a record). `read_committed`
+    reads the records of committed transactions only, `read_uncommitted` aborted ones'
+    too. Written for a stopped worker: an open transaction's records never end a
+    read_committed read."""
+    spec = deployment.spec
+    bootstrap = deployment.config.broker.bootstrap_servers
+    decoder = AvroDecoder(LocalCatalogue(), "prediction.avsc")
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"outcomes-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "isolation.level": isolation_level,
+        }
+    )
+    outcomes = Outcomes()
+    try:
+        ends = {}
+        for topic in (spec.output_topic, spec.dead_letter_topic):
+            for partition in consumer.list_topics(topic, timeout=30).topics[topic].partitions:
+                where = TopicPartition(topic, partition)
+                ends[(topic, partition)] = consumer.get_watermark_offsets(where, timeout=30)[1]
+        consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t, p in ends])
+        pending = {where for where, end in ends.items() if end > 0}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            assert time.monotonic() < deadline, f"not read to their ends: {sorted(pending)}"
+            for message in consumer.consume(1000, 0.5):
+                where = (message.topic(), message.partition())
+                error = message.error()
+                if error is not None:
+                    if (
+                        error.code() == KafkaError._PARTITION_EOF
+                        and message.offset() >= ends[where]
+                    ):
+                        pending.discard(where)
+                    continue
+                if message.topic() == spec.output_topic:
+                    outcomes.predictions.append(decoder.decode(message.value()))
+                else:
+                    headers = {k: v.decode() for k, v in message.headers() or []}
+                    outcomes.dead_letters.append(
+                        DeadLetter(message.key(), message.value(), headers)
+                    )
+    finally:
+        consumer.close()
+    return outcomes

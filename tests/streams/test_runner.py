@@ -183,6 +183,49 @@ async def test_a_bug_stops_the_worker_without_acking_the_batch():
     assert acked == []
 
 
+class CommittingPipeline(FakePipeline):
+    """Each batch's publish returns when its own transaction commits (`commit`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered: list[int] = []
+        self.commit: dict[int, asyncio.Event] = {}
+
+    async def publish(self, prepared) -> None:
+        first = prepared.items[0].record.offset
+        self.commit[first] = asyncio.Event()
+        self.entered.append(first)
+        self.changed.set()
+        await self.commit[first].wait()
+        self.published.append([item.record.offset for item in prepared.items])
+        self.changed.set()
+
+
+async def test_with_transactions_later_batches_are_handed_over_while_one_commits():
+    pipeline, acked = CommittingPipeline(), []
+    run = PipelineRunner(
+        pipeline, FakeDecoder(), InFlight("runner-test", 1000, 500),
+        lambda handles: (acked.append(list(handles)), pipeline.changed.set()),
+        lambda error, records: pytest.fail(f"the worker gave up: {error!r}"),
+        clock=lambda: 1000.0, wall_clock=lambda: 1_800_000_000.0, publish_ahead=4,
+    )  # fmt: skip
+    await run.start()
+    for first in (0, 4, 8):
+        records = chunk(first, 4)
+        run.submit(records, [r.offset for r in records])
+    # All three in the publisher at once, in order: one transaction may take them all.
+    await wait_for(pipeline, lambda: pipeline.entered == [0, 4, 8])
+    pipeline.commit[4].set()
+    pipeline.commit[8].set()
+    await wait_for(pipeline, lambda: len(pipeline.published) == 2)
+    assert acked == []  # acknowledged in order: not before the batch ahead of them
+    pipeline.commit[0].set()
+    await run.drain()
+    await run.stop()
+    assert acked == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert run.in_flight.count == 0
+
+
 async def test_retries_that_never_succeed_give_up_without_acking():
     pipeline, acked, fatal = FakePipeline({"publish": [PublishError("gone")] * 4}), [], []
     run = runner(pipeline, acked, fatal)

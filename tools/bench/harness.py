@@ -128,6 +128,9 @@ class BenchSettings(BaseModel):
     runtimes: tuple[Literal["faust", "bare"], ...] = ("bare", "faust")
     """Runtimes the overload scenario runs."""
     overload_model: Literal["heavy", "sample"] = "heavy"
+    delivery: Literal["at_least_once", "exactly_once"] = "at_least_once"
+    """The workers' delivery; exactly_once runs on the bare runtime only (the Faust
+    systems are skipped)."""
     """The overload scenario's model: `heavy` (see HEAVY_MODEL) or the sample MLP."""
     state_dir: Path = Path(".headrace/bench")
     bootstrap_servers: str | None = None
@@ -215,6 +218,9 @@ class Bench:
             if settings.scenario == "overload":
                 results["overload"] = {}
                 for runtime in settings.runtimes:
+                    if runtime == "faust" and settings.delivery == "exactly_once":
+                        self.echo("  faust: skipped: exactly_once needs runtime: bare")
+                        continue
                     capacity, steps = self._run_overload(runtime)
                     results["overload"][runtime] = capacity
                     results["steps"] += steps
@@ -234,6 +240,9 @@ class Bench:
                     results["steps"] += self._run_mlserver()
                 else:
                     runtime = "faust" if system == "headrace" else "bare"
+                    if runtime == "faust" and settings.delivery == "exactly_once":
+                        results["steps"] += self._skip(system, "exactly_once needs runtime: bare")
+                        continue
                     results["steps"] += self._run_worker(system, runtime)
             results["elapsed_s"] = time.time() - started
             return results
@@ -515,6 +524,7 @@ class Bench:
             runtime=runtime,
             latency_budget_ms=latency_budget_ms,
             fallback_model=fallback_path(self.model_path),
+            delivery=self.settings.delivery if worker else "at_least_once",
         )
         config_file = self.state_dir / f"{name}.yaml"
         parsed = write_config(config, config_file)

@@ -1,0 +1,308 @@
+"""The transactional publisher (`delivery: exactly_once`) against a real broker: a
+batch's records and its input offsets commit together; a newer producer with the same
+transactional id fences the older; offsets sent for a member the group no longer has
+are refused and the batch is written again with the current metadata, once as a
+read_committed reader sees it; a record Kafka refuses inside a transaction is found
+and dead-lettered; and how librdkafka's group metadata tells a member."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
+from infra.topics import delete_topics
+from streams.config import BrokerConfig
+from streams.errors import TransactionFenced
+from streams.outgoing import Outgoing
+from streams.publish import topic_limits
+from streams.records import InputRecord, OutRecord
+from streams.transact import TransactionalPublisher, is_member, next_offsets
+from tests.chaos.conftest import create_topics
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def topics(kafka) -> Iterator[dict[str, str]]:
+    """An input topic (3 partitions), an output topic (3, compacted: a keyless record is
+    refused, and a record batch over 4,000 bytes) and a dead-letter topic (1)."""
+    suffix = uuid.uuid4().hex[:8]
+    names = {"in": f"in-{suffix}", "out": f"out-{suffix}", "dlq": f"dlq-{suffix}"}
+    create_topics(
+        kafka.bootstrap_servers,
+        {
+            names["in"]: (3, {}),
+            names["out"]: (3, {"cleanup.policy": "compact", "max.message.bytes": "4000"}),
+            names["dlq"]: (1, {}),
+        },
+    )
+    yield names
+    delete_topics(kafka.bootstrap_servers, list(names.values()))
+
+
+@pytest.fixture
+def member(kafka) -> Iterator:
+    """Factory: `member(group, topic)`, a consumer of `group` with `topic`'s partitions
+    assigned (a member of a generation); closed at the end unless closed before."""
+    made: list[Consumer] = []
+
+    def join(group: str, topic: str) -> Consumer:
+        assigned = []
+        consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group})
+        made.append(consumer)
+        consumer.subscribe([topic], on_assign=lambda _c, partitions: assigned.extend(partitions))
+        deadline = time.monotonic() + 60
+        while not assigned:
+            assert time.monotonic() < deadline, "no assignment"
+            consumer.poll(0.1)
+        return consumer
+
+    yield join
+    for consumer in made:
+        with contextlib.suppress(RuntimeError):  # closed already
+            consumer.close()
+
+
+def metadata_of(*consumers: Consumer):
+    """A group metadata reader answering with each consumer's in turn, the last for good;
+    it counts its calls."""
+    calls = []
+
+    async def read() -> bytes:
+        calls.append(1)
+        return consumers[min(len(calls), len(consumers)) - 1].consumer_group_metadata()
+
+    read.calls = calls
+    return read
+
+
+def transactional(bootstrap: str, topics: dict[str, str], tid: str, **kwargs):
+    built = TransactionalPublisher(
+        BrokerConfig(bootstrap_servers=bootstrap), [topics["out"], topics["dlq"]],
+        transactional_id=tid, **kwargs,
+    )  # fmt: skip
+    built.start()
+    return built
+
+
+def batch(topics: dict[str, str], values: list[bytes | None], first_offset: int = 0) -> Outgoing:
+    """One answer per value (key `k<i>`, or none where the value is None), each answering
+    input `first_offset + i` of partition i % 3."""
+    records, inputs = [], []
+    for i, value in enumerate(values):
+        key = None if value is None else f"k{i}".encode()
+        records.append(OutRecord(topics["out"], key, value or b"no key"))
+        inputs.append(InputRecord(topics["in"], i % 3, first_offset + i, 0, key, b"input"))
+    return Outgoing(records, inputs, "fraud", topics["dlq"])
+
+
+def publish(built: TransactionalPublisher, outgoing: Outgoing) -> None:
+    asyncio.run(asyncio.wait_for(built.publish(outgoing), 60))
+
+
+def read(bootstrap: str, topic: str, isolation_level: str) -> list[Message]:
+    """Every record of `topic`, read to the end each partition has now."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"read-{uuid.uuid4().hex[:8]}",
+            "enable.partition.eof": True,
+            "isolation.level": isolation_level,
+        }
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), 30)[1] for p in partitions
+        }
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        pending = {p for p, end in ends.items() if end > 0}
+        records: list[Message] = []
+        deadline = time.monotonic() + 60
+        while pending:
+            assert time.monotonic() < deadline, f"{topic} not read to its end"
+            for message in consumer.consume(100, 0.5):
+                error = message.error()
+                if error is None:
+                    records.append(message)
+                elif (error.code() == KafkaError._PARTITION_EOF
+                      and message.offset() >= ends[message.partition()]):  # fmt: skip
+                    pending.discard(message.partition())
+        return records
+    finally:
+        consumer.close()
+
+
+def committed(consumer: Consumer, topic: str) -> dict[int, int]:
+    wanted = [TopicPartition(topic, p) for p in range(3)]
+    return {tp.partition: tp.offset for tp in consumer.committed(wanted, timeout=30)}
+
+
+def test_a_batch_and_its_input_offsets_commit_in_one_transaction(kafka, topics, member):
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}")
+    try:
+        built.attach(metadata_of(consumer))
+        publish(built, batch(topics, [b"a", b"b", b"c", b"d", b"e", b"f"]))
+        publish(built, batch(topics, [b"g", b"h", b"i"], first_offset=6))
+    finally:
+        built.stop()
+    values = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
+    assert values == [b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h", b"i"]
+    # The next offset of each input partition of the last batch: 6, 7, 8 -> 7, 8, 9.
+    assert committed(consumer, topics["in"]) == {0: 7, 1: 8, 2: 9}
+
+
+class CountingProducer:
+    """A real producer that counts its commits."""
+
+    def __init__(self, config: dict, commits: list) -> None:
+        self._producer = Producer(config)
+        self._commits = commits
+
+    def commit_transaction(self, *args):
+        self._producer.commit_transaction(*args)
+        self._commits.append(1)
+
+    def __len__(self) -> int:
+        return len(self._producer)
+
+    def __getattr__(self, name):
+        return getattr(self._producer, name)
+
+
+def test_batches_handed_over_while_one_commits_go_together_in_the_next(kafka, topics, member):
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    commits: list[int] = []
+    counting = lambda config: CountingProducer(config, commits)  # noqa: E731
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", make_producer=counting)
+    first, second, third = (batch(topics, [b"%d" % (offset + i) for i in range(3)], offset)
+                            for offset in (0, 3, 6))  # fmt: skip
+
+    async def three_at_once() -> None:
+        await asyncio.gather(built.publish(first), built.publish(second), built.publish(third))
+
+    try:
+        built.attach(metadata_of(consumer))
+        asyncio.run(asyncio.wait_for(three_at_once(), 60))
+    finally:
+        built.stop()
+    # The first alone; the two handed over while it committed, together.
+    assert len(commits) == 2
+    answers = read(bootstrap, topics["out"], "read_committed")
+    assert sorted(m.value() for m in answers) == [b"%d" % i for i in range(9)]
+    assert committed(consumer, topics["in"]) == {0: 7, 1: 8, 2: 9}
+
+
+def test_a_newer_producer_with_the_same_id_fences_the_older(kafka, topics, member):
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    tid = f"t-{uuid.uuid4().hex}"
+    older = transactional(bootstrap, topics, tid)
+    newer = transactional(bootstrap, topics, tid)  # its initialization fences the older
+    try:
+        older.attach(metadata_of(consumer))
+        newer.attach(metadata_of(consumer))
+        with pytest.raises(TransactionFenced, match="took over"):
+            publish(older, batch(topics, [b"zombie"]))
+        publish(newer, batch(topics, [b"alive"]))
+    finally:
+        older.stop()
+        newer.stop()
+    assert [m.value() for m in read(bootstrap, topics["out"], "read_committed")] == [b"alive"]
+    assert committed(consumer, topics["in"])[0] == 1
+
+
+def test_offsets_for_a_member_the_group_no_longer_has_are_refused_and_written_again(
+    kafka, topics, member
+):
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    gone = member(group, topics["in"])
+    stale = gone.consumer_group_metadata()
+    gone.close()  # leaves the group: its member id is no longer known
+    current = member(group, topics["in"])
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}")
+    given: list[bytes] = []
+
+    async def stale_first() -> bytes:
+        given.append(stale if not given else current.consumer_group_metadata())
+        return given[-1]
+
+    try:
+        built.attach(stale_first)
+        publish(built, batch(topics, [b"a", b"b", b"c"]))
+    finally:
+        built.stop()
+    assert given[0] == stale and len(given) == 2, "the stale metadata, then the current"
+    # The aborted attempt's records are in the log, never visible to read_committed.
+    assert sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed")) == [
+        b"a", b"b", b"c"]  # fmt: skip
+    uncommitted = sorted(m.value() for m in read(bootstrap, topics["out"], "read_uncommitted"))
+    assert uncommitted == [b"a", b"a", b"b", b"b", b"c", b"c"]
+    assert committed(current, topics["in"]) == {0: 1, 1: 2, 2: 3}
+
+
+def test_records_kafka_refuses_in_a_transaction_are_found_and_dead_lettered(kafka, topics, member):
+    """The output topic takes record batches of up to 4,000 bytes and no keyless record;
+    the publisher first believes every topic takes 1 MB. The first transaction is
+    refused whole; the limits are read again and the records sent one at a time: the
+    long one is dead-lettered before it is sent, the keyless one once it is refused
+    alone. The others are written once, in order."""
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    believed = iter([{topics["out"]: 1_000_000, topics["dlq"]: 1_000_000}])
+
+    def read_limits(names):
+        return next(believed, None) or topic_limits(bootstrap, names)
+
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", read_limits=read_limits)
+    values = [b"s1", b"s2", b"L" * 6_000, b"s3", None, b"s4"]
+    outgoing = batch(topics, values)
+    try:
+        built.attach(metadata_of(consumer))
+        publish(built, outgoing)
+    finally:
+        built.stop()
+    answers = read(bootstrap, topics["out"], "read_committed")
+    assert sorted(m.value() for m in answers) == [b"s1", b"s2", b"s3", b"s4"]
+    letters = read(bootstrap, topics["dlq"], "read_committed")
+    reasons = sorted(dict(m.headers())["headrace.error.reason"] for m in letters)
+    assert reasons == [b"too_large", b"unpublishable"]
+    assert outgoing.rewritten == {2: "too_large", 4: "unpublishable"}
+    assert committed(consumer, topics["in"]) == {0: 4, 1: 5, 2: 6}
+
+
+def test_librdkafka_group_metadata_tells_a_member():
+    outside = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "g"})
+    try:
+        metadata = outside.consumer_group_metadata()
+    finally:
+        outside.close()
+    assert not is_member(metadata)  # generation -1, no member id
+    generation = (3).to_bytes(4, sys.byteorder)
+    assert is_member(b"CGMDv2:" + generation + b"g\0member-1\0\x01")
+    assert not is_member(b"CGMDv2:" + generation + b"g\0\0\x01")
+
+
+def test_the_offsets_of_a_batch_are_the_next_of_each_partition():
+    where = [("a", 0, 5), ("a", 1, 9), ("a", 0, 7), ("b", 0, 2)]
+    inputs = [InputRecord(topic, partition, offset, 0, None, None)
+              for topic, partition, offset in where]  # fmt: skip
+    assert {(tp.topic, tp.partition, tp.offset) for tp in next_offsets(inputs)} == {
+        ("a", 0, 8), ("a", 1, 10), ("b", 0, 3)}  # fmt: skip
