@@ -10,11 +10,10 @@ from contextlib import ExitStack
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from schemas.catalogue import LocalCatalogue
-from schemas.codec import AvroDecoder
 from tests.chaos.conftest import input_offsets, outcomes_per_input, read_outcomes
 from tests.chaos.test_failover import all_answered, answered, steady_load
 from tests.helpers import wait_until
+from tests.streams.test_worker import collector_for
 from tools.audit import audit, format_report
 from tools.collector import OutcomeCollector
 from tools.deploy import start_worker
@@ -22,17 +21,6 @@ from tools.deploy import start_worker
 pytestmark = pytest.mark.integration
 
 RATE_PER_S = 300
-
-
-def collector(deployment, isolation_level: str) -> OutcomeCollector:
-    spec = deployment.spec
-    return OutcomeCollector(
-        deployment.config.broker.bootstrap_servers,
-        spec.output_topic,
-        spec.dead_letter_topic,
-        AvroDecoder(LocalCatalogue(), "prediction.avsc"),
-        isolation_level=isolation_level,
-    ).start()
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
@@ -62,7 +50,7 @@ def kill_mid_stream_and_restart(
     worker aborts it)."""
     bootstrap = kafka.bootstrap_servers
     topic = deployment.spec.input_topic
-    reader = collector(deployment, "read_committed")
+    reader = collector_for(deployment, isolation_level="read_committed")
     committed: dict[int, int] = {}
     try:
         with ExitStack() as load:

@@ -11,7 +11,7 @@ import pytest
 
 from infra.topics import set_topic_config
 from schemas.catalogue import LocalCatalogue
-from schemas.codec import AvroDecoder, AvroEncoder
+from schemas.codec import AvroEncoder
 from streams.publish import topic_limits
 from tests.chaos.conftest import (
     BIG_INPUT_BYTES,
@@ -20,8 +20,8 @@ from tests.chaos.conftest import (
     produce_in_order,
 )
 from tests.helpers import produce_events, wait_until
+from tests.streams.test_worker import collector_for
 from tools.audit import audit, format_report
-from tools.collector import OutcomeCollector
 from tools.loadgen import sample_events
 
 pytestmark = pytest.mark.integration
@@ -33,16 +33,6 @@ DEFAULT_TOPIC_BYTES = 1_048_588
 def junk(size: int) -> bytes:
     """`size` bytes that are not the wire format (first byte 0xFF: bad_magic)."""
     return b"\xff" + os.urandom(size - 1)
-
-
-def collector_for(deployment) -> OutcomeCollector:
-    spec = deployment.spec
-    return OutcomeCollector(
-        deployment.config.broker.bootstrap_servers,
-        spec.output_topic,
-        spec.dead_letter_topic,
-        AvroDecoder(LocalCatalogue(), "prediction.avsc"),
-    ).start()
 
 
 def audited(deployment, produced: int) -> None:

@@ -20,13 +20,16 @@ pytestmark = pytest.mark.integration
 N_VALID = 400
 
 
-def collector_for(deployment) -> OutcomeCollector:
+def collector_for(deployment, **options) -> OutcomeCollector:
+    """A started reader of the deployment's answers and dead letters (`options`: those of
+    OutcomeCollector, e.g. isolation_level)."""
     spec = deployment.spec
     return OutcomeCollector(
         deployment.config.broker.bootstrap_servers,
         spec.output_topic,
         spec.dead_letter_topic,
         AvroDecoder(LocalCatalogue(), "prediction.avsc"),
+        **options,
     ).start()
 
 
