@@ -63,13 +63,33 @@ class OutputConfig(FrozenModel):
     """multiclass: how many classes each answer lists."""
 
 
+class ModelRegistryConfig(FrozenModel):
+    """Where a model given by name and version comes from (`models/registry.py`)."""
+
+    root: Path = Field(Path("models/registry"), validate_default=True)
+    """The folder registry: `<root>/<name>/<version>/model.onnx`, aliases in
+    `<root>/<name>/aliases.json` (relative to the config file)."""
+    mlflow_uri: str | None = Field(None, pattern=r"^(https?|file|sqlite)://|^databricks")
+    """An MLflow tracking server (`http://host:5000`): versions then come from its Model
+    Registry (`models:/<name>/<version>`, `models:/<name>@<alias>`) instead of `root`."""
+    cache_dir: Path = Field(Path(".headrace/models"), validate_default=True)
+    """Where versions downloaded from MLflow are kept (relative to the config file)."""
+    timeout_s: float = Field(30.0, gt=0, le=600)
+    """Longest one call to the MLflow server may take."""
+
+    _resolve_paths = field_validator("root", "cache_dir")(resolve_path)
+
+
 class ModelConfig(FrozenModel):
-    path: Path
-    """The `.onnx` artifact."""
+    path: Path | None = None
+    """The `.onnx` artifact. None: `name` and `version` are looked up in `registry`."""
     name: str | None = Field(None, min_length=1)
-    """The model's name in answers (None: from headrace metadata, else the file name)."""
+    """The model's name in the registry and in answers (None: from headrace metadata,
+    else the file name)."""
     version: str | None = Field(None, min_length=1)
-    """The model's version in answers (None: from headrace metadata, else `1`)."""
+    """The version in the registry (`3`), or an alias (`@champion`); the version in
+    answers (None: from headrace metadata, else `1`)."""
+    registry: ModelRegistryConfig = Field(default={}, validate_default=True)
     inputs: list[InputTensorConfig] | None = Field(None, min_length=1)
     """Where each input tensor's columns come from. None: from the artifact's headrace
     metadata (one float32 input of its `feature_names`)."""
@@ -83,6 +103,20 @@ class ModelConfig(FrozenModel):
     """ONNX Runtime threads per session; 1 suits a 2-core machine."""
 
     _resolve_path = field_validator("path")(resolve_path)
+
+    @model_validator(mode="after")
+    def _located(self) -> ModelConfig:
+        if self.path is None and (self.name is None or self.version is None):
+            raise ValueError(
+                "needs `path` (an .onnx file), or `name` and `version` (or `@alias`) to "
+                "look up in the model registry"
+            )
+        return self
+
+    @property
+    def alias(self) -> str | None:
+        """The alias `version` names (`@champion` -> `champion`), else None."""
+        return self.version[1:] if self.version and self.version.startswith("@") else None
 
     @model_validator(mode="after")
     def _some_session(self) -> ModelConfig:

@@ -20,7 +20,9 @@ from features.lookup import FeatureLookup
 from features.store import open_store
 from infra.kafka_clients import client_settings, list_topics, quiet_repeats
 from infra.topics import ensure_topics
+from models.config import ModelConfig
 from models.pool import SessionPool, warmup_sizes
+from models.registry import resolve_model
 from models.session import load_session, signature_of
 from models.signature import Signature
 from schemas.catalogue import LocalCatalogue, SchemaCatalogue, open_catalogue, read_schema_file
@@ -93,7 +95,8 @@ def check_fields(spec: PipelineConfig, schema: dict[str, Any]) -> list[str]:
 def answer_schema_of(spec: PipelineConfig, catalogue: SchemaCatalogue) -> dict[str, Any]:
     """A pipeline's derived answer schema, from its input schema and its model's task
     (loads the model, without warm-up). Blocks on the registry."""
-    task = signature_of(spec.model, load_session(spec.model)).output.task
+    model = resolve_model(spec.model)
+    task = signature_of(model, load_session(model)).output.task
     return derived_schema(spec, input_schema(spec, catalogue), task)
 
 
@@ -109,6 +112,9 @@ class Inspection:
     lookup: FeatureLookup | None = None
     signature: Signature | None = None
     fallback: Signature | None = None
+    model: ModelConfig | None = None
+    """The model's config, naming a local file (a registry version looked up)."""
+    fallback_model: ModelConfig | None = None
     answers: dict[str, Any] | None = None
     """The derived answer schema."""
 
@@ -143,8 +149,12 @@ def inspect_pipeline(
             store, spec.feature_service, spec.entity_fields, spec.feature_cache))  # fmt: skip
         if found.lookup is not None:
             resources.callback(found.lookup.close)
-    found.signature = attempt(lambda: signature_of(spec.model, load_session(spec.model)))
-    fallback = spec.degradation.fallback_model
+    found.model = attempt(lambda: resolve_model(spec.model))
+    if found.model is not None:
+        found.signature = attempt(lambda: signature_of(found.model, load_session(found.model)))
+    if spec.degradation.fallback_model is not None:
+        found.fallback_model = attempt(lambda: resolve_model(spec.degradation.fallback_model))
+    fallback = found.fallback_model
     if fallback is not None:
         found.fallback = attempt(lambda: signature_of(fallback, load_session(fallback)))
     for signature in (found.signature, found.fallback):
@@ -192,10 +202,10 @@ def wire_pipeline(
         sep = " " if len(lines) == 1 else "\n  "
         raise ConfigError(f"pipeline {spec.name} cannot start:{sep}" + "\n  ".join(lines))
     fields, refs = found.fields, found.feature_refs
-    model = _model(spec.model, spec, fields, refs, resources)
+    model = _model(found.model, spec, fields, refs, resources)
     fallback = None
-    if spec.degradation.fallback_model is not None:
-        fallback = _model(spec.degradation.fallback_model, spec, fields, refs, resources)
+    if found.fallback_model is not None:
+        fallback = _model(found.fallback_model, spec, fields, refs, resources)
     codec = AvroEncoder(catalogue, found.answers, f"{spec.output_topic}-value")
     measure = metrics.PipelineMetrics(spec.name)
     degradation = spec.degradation

@@ -16,6 +16,7 @@ import pytest
 from features.sample_data import SampleWorld
 from features.store import prepare_sample_store
 from infra.kafka import KafkaBroker
+from infra.mlflow import MlflowServer
 from infra.ports import free_port
 from infra.redis import RedisServer
 from infra.registry import SchemaRegistryServer
@@ -43,6 +44,14 @@ def kafka(tmp_path_factory) -> Iterator[KafkaBroker]:
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory) -> Iterator[SchemaRegistryServer]:
     server = SchemaRegistryServer(tmp_path_factory.mktemp("registry"), free_port(), free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port())
     server.start()
     yield server
     server.stop()

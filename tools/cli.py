@@ -209,6 +209,26 @@ def models_train(out: Path, users: int, merchants: int) -> None:
     )
 
 
+@models.command("register")
+@config_option
+@click.option("--pipeline", "pipeline_name", help="Whose model registry (default: the first).")
+@click.option("--alias", help="Also point this alias (e.g. champion) at the new version.")
+@click.argument("name")
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+def models_register(
+    config_path: Path, pipeline_name: str | None, alias: str | None, name: str, artifact: Path
+) -> None:
+    """Add ARTIFACT (.onnx) as the next version of NAME in the pipeline's model registry
+    (its model's `registry`: a folder, or an MLflow server)."""
+    from models.registry import open_registry
+
+    registry = open_registry(_pipeline(_config(config_path), pipeline_name).model.registry)
+    version = registry.register(name, artifact, {"source": str(artifact)})
+    if alias:
+        registry.set_alias(name, alias, version)
+    click.echo(f"{name} version {version}" + (f" (@{alias})" if alias else ""))
+
+
 @cli.command()
 @config_option
 def check(config_path: Path) -> None:
