@@ -41,6 +41,7 @@ from streams.pipeline import Pipeline
 from streams.publish import Publisher
 from streams.records import InputRecord
 from streams.runner import AckBatch, PausePartition, PipelineRunner
+from streams.tracing import open_provider, tracing_for
 from streams.transact import BATCHES_AHEAD, TransactionalPublisher, transactional_id
 
 log = logging.getLogger(__name__)
@@ -192,9 +193,11 @@ def wire_pipeline(
     store: Any,
     publisher: Publisher,
     resources: ExitStack,
+    tracer_provider: Any = None,
 ) -> Wired:
     """Open a pipeline's schema, features, models and codecs; blocks while models warm
-    up. Raises ConfigError listing everything that does not fit."""
+    up. Raises ConfigError listing everything that does not fit. Without a
+    `tracer_provider` its stages trace nothing."""
     found = inspect_pipeline(spec, catalogue, store, resources)
     if found.problems:
         # One line per problem (a problem's own list flattened), one line for just one.
@@ -220,9 +223,13 @@ def wire_pipeline(
         ),
     )
     tickets = Tickets(admission, spec.input, spec.priority)
-    decoder = EventDecoder(AvroDecoder(catalogue, found.schema), found.rules, tickets, measure)
+    tracing = tracing_for(tracer_provider, spec)
+    decoder = EventDecoder(
+        AvroDecoder(catalogue, found.schema), found.rules, tickets, measure, tracing=tracing
+    )
     encoder = AnswerEncoder(codec, spec.output_topic, spec.included_fields)
-    pipeline = Pipeline(spec, admission, found.lookup, model, encoder, publisher, measure, fallback)
+    pipeline = Pipeline(spec, admission, found.lookup, model, encoder, publisher, measure,
+                        fallback, tracing=tracing)  # fmt: skip
     log.info(
         "pipeline %s: %s -> %s (answers: schema id %d), model %s v%s (%s), sessions %s, "
         "fallback %s",
@@ -251,8 +258,11 @@ def wire_pipelines(
 ) -> dict[str, Wired]:
     catalogue = open_catalogue(config.registry)
     store = open_store_for(config)
+    provider = open_provider(config.tracing, config.app_id)
+    if provider is not None:
+        resources.callback(provider.shutdown)  # sends the spans still waiting
     return {
-        spec.name: wire_pipeline(spec, catalogue, store, publisher, resources)
+        spec.name: wire_pipeline(spec, catalogue, store, publisher, resources, provider)
         for spec in config.pipelines
     }
 

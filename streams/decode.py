@@ -24,6 +24,7 @@ from schemas.validation import EventRules
 from streams import metrics
 from streams.admit import Tickets
 from streams.records import InputRecord, Item
+from streams.tracing import NO_TRACING, NoTracing, Tracing
 
 
 def _settle(future: asyncio.Future, set_outcome: Callable[[Any], None], value: Any) -> None:
@@ -39,8 +40,10 @@ class EventDecoder:
         tickets: Tickets,
         measure: metrics.PipelineMetrics,
         clock: Callable[[], float] = time.time,
+        tracing: Tracing | NoTracing = NO_TRACING,
     ) -> None:
         self._codec = codec
+        self._tracing = tracing
         self._rules = rules
         self._tickets = tickets
         self._metrics = measure
@@ -122,4 +125,5 @@ class EventDecoder:
         micros = int(seconds * 1e6)
         for item in items:
             item.decode_us = micros
+        self._tracing.read(records, items, seconds)
         return items

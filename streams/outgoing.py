@@ -21,6 +21,7 @@ from schemas.errors import DecodeError
 from schemas.validation import InvalidEventError
 from streams.errors import PublishError
 from streams.records import InputRecord, OutRecord
+from streams.tracing import trace_headers
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class Outgoing:
             message = f"its answer cannot be written: {why}"
             headers = [("headrace.error.reason", reason.encode()),
                        ("headrace.error.message", message.encode()),
-                       *_origin(source, self.pipeline)]  # fmt: skip
+                       *_origin(source, self.pipeline), *trace_headers(first.headers)]  # fmt: skip
             replaced = OutRecord(self.dead_letter_topic, source.key, source.value, headers)
             log.warning("%s: %s; dead-lettering its input (%s)", where, message, reason)
         else:
@@ -164,6 +165,7 @@ class Outgoing:
         if rule is not None:
             headers.append(("headrace.error.rule", rule.encode()[:MAX_HEADER_BYTES]))
         headers += _origin(source, self.pipeline)
+        headers += trace_headers(first.headers)
         headers += [
             ("headrace.value.size", str(len(value)).encode()),
             ("headrace.value.sha256", hashlib.sha256(value).hexdigest().encode()),

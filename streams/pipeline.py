@@ -34,6 +34,7 @@ from streams.infer import Model
 from streams.outgoing import Outgoing, dead_letter
 from streams.publish import Publisher
 from streams.records import Item, OutRecord
+from streams.tracing import NO_BATCH, NO_TRACING, NoTracing, Tracing
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Prepared:
     """Seconds of each model run (full, fallback) of the batch."""
     outgoing: Outgoing | None = None
     """Its outcome records once encoded, with what Kafka acknowledged of them."""
+    trace: Any = NO_BATCH
+    """Its spans (`streams/tracing.py`), `NO_BATCH` with tracing off."""
 
     def count(self, route: Route) -> int:
         return sum(1 for item in self.admitted if item.route is route)
@@ -67,8 +70,10 @@ class Pipeline:
         measure: metrics.PipelineMetrics,
         fallback: Model | None = None,
         clock: Callable[[], float] = time.time,
+        tracing: Tracing | NoTracing = NO_TRACING,
     ) -> None:
         self.config = config
+        self._tracing = tracing
         self.admission = admission
         self.model = model
         self.fallback = fallback
@@ -109,7 +114,7 @@ class Pipeline:
     def prepare(self, items: Sequence[Item]) -> Prepared:
         """A released batch: every decoded event starts on the full path, for the
         runner's admission (`route`) to decide."""
-        prepared = Prepared(items)
+        prepared = Prepared(items, trace=self._tracing.batch(items))
         use_cache = self.admission.ladder.answer_cache
         for item in items:
             if item.error is not None:
@@ -140,6 +145,10 @@ class Pipeline:
         """One store read (through the cache) for the events whose model needs it. When
         the store cannot answer in time, those events go down the ladder instead
         (reason `store_unavailable`): a store outage degrades, it never stops the stream."""
+        with prepared.trace.stage("features"):
+            await self._read_features(prepared)
+
+    async def _read_features(self, prepared: Prepared) -> None:
         needing = [item for item in prepared.admitted if self._needs_store(item.route)]
         prepared.timings["features_us"] = 0
         if not needing:
@@ -170,7 +179,8 @@ class Pipeline:
         An event moved off the full path after its features were read can still take
         the fallback model: it has every input."""
         runs = [(Route.FULL, self.model), (Route.FALLBACK, self.fallback)]
-        await asyncio.gather(*(self._run(prepared, route, model) for route, model in runs))
+        with prepared.trace.stage("infer"):
+            await asyncio.gather(*(self._run(prepared, route, model) for route, model in runs))
 
     async def _run(self, prepared: Prepared, route: Route, model: Model | None) -> None:
         items = [item for item in prepared.admitted if item.route is route]
@@ -190,15 +200,21 @@ class Pipeline:
         them all."""
         measure = self.metrics
         started = time.perf_counter()
+        trace = prepared.trace
         if prepared.outgoing is None:  # else a retry: it sends only what was not written
             spec = self.config
-            prepared.outgoing = Outgoing(
-                self._outcomes(prepared), [item.record for item in prepared.items], spec.name,
-                spec.dead_letter_topic,
-            )  # fmt: skip
+            with trace.stage("encode"):
+                outcomes = self._outcomes(prepared)
+                trace.mark(prepared.items, outcomes)
+                prepared.outgoing = Outgoing(
+                    outcomes, [item.record for item in prepared.items], spec.name,
+                    spec.dead_letter_topic,
+                )  # fmt: skip
         encoded = time.perf_counter()
-        await self._publisher.publish(prepared.outgoing)
+        with trace.stage("publish"):
+            await self._publisher.publish(prepared.outgoing)
         published = time.perf_counter()
+        trace.end()
 
         measure.stage["encode"].observe(encoded - started)
         measure.stage["publish"].observe(published - encoded)

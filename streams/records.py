@@ -58,3 +58,5 @@ class Item:
     """Its row in the batch's feature rows, where it needed store features."""
     answer: dict[str, Any] | None = None
     """The model's answer fields."""
+    trace: Any = None
+    """Its trace context and decode window, with tracing on (`streams/tracing.py`)."""

@@ -280,7 +280,8 @@ class PipelineRunner:
             prepared = self.pipeline.prepare(items)
             now = self._clock()
             estimates = self._estimates("admission", now, len(items))
-            self.pipeline.route(prepared.admitted, estimates)
+            with prepared.trace.stage("admit"):
+                self.pipeline.route(prepared.admitted, estimates)
             batch.reservation_s = self._completion.reserve(prepared.count(Route.FULL), now)
             features = asyncio.create_task(
                 self._retrying(batch.records, "features", self.pipeline.read_features, prepared)

@@ -1,5 +1,6 @@
-"""Real services for the integration tests: one Kafka broker, one schema registry, and
-the sample Feast store and model, each started once per session on free loopback ports.
+"""Real services for the integration tests: one Kafka broker, one schema registry, one
+Zipkin server, and the sample Feast store and model, each started once per session on
+free loopback ports.
 Each test gets its own topics (a unique suffix) and removes them afterwards.
 """
 
@@ -21,6 +22,7 @@ from infra.ports import free_port
 from infra.redis import RedisServer
 from infra.registry import SchemaRegistryServer
 from infra.topics import delete_topics
+from infra.zipkin import ZipkinServer
 from models.train import fallback_path
 from streams.app import create_topics
 from streams.config import HeadraceConfig
@@ -52,6 +54,14 @@ def registry(tmp_path_factory) -> Iterator[SchemaRegistryServer]:
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
     server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def zipkin(tmp_path_factory) -> Iterator[ZipkinServer]:
+    server = ZipkinServer(tmp_path_factory.mktemp("zipkin"), free_port())
     server.start()
     yield server
     server.stop()

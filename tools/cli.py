@@ -108,6 +108,12 @@ def _registry(state_dir: Path, **ports: int):
     return SchemaRegistryServer(state_dir, **ports)
 
 
+def _zipkin(state_dir: Path, **ports: int):
+    from infra.zipkin import ZipkinServer
+
+    return ZipkinServer(state_dir, **ports)
+
+
 def _redis(state_dir: Path, **ports: int):
     from infra.redis import RedisServer
 
@@ -127,6 +133,13 @@ _service_group(
     _registry,
     {"port": 8081, "management_port": 8091},
     lambda registry: registry.url,
+)
+_service_group(
+    "zipkin",
+    "A local Zipkin server (in-memory), where `tracing` sends spans (Java 17+).",
+    _zipkin,
+    {"port": 9411},
+    lambda zipkin: zipkin.url,
 )
 _service_group(
     "redis",

@@ -92,6 +92,8 @@ def sample_config(
     clicks_model: Path | None = None,
     delivery: str = "at_least_once",
     instance_id: str | None = None,
+    tracing: dict[str, Any] | None = None,
+    log_format: str = "text",
 ) -> dict[str, Any]:
     """The sample fraud pipeline's config as a plain dict (what a YAML file would hold),
     with the click-intent pipeline beside it when `clicks_model` is given.
@@ -136,6 +138,10 @@ def sample_config(
         config["registry"] = {"url": registry_url}
     if instance_id is not None:
         config["broker"]["instance_id"] = instance_id
+    if tracing is not None:
+        config["tracing"] = tracing
+    if log_format != "text":
+        config["log_format"] = log_format
     return config
 
 
