@@ -36,6 +36,7 @@ from streams.config import HeadraceConfig, PipelineConfig
 from streams.decode import EventDecoder
 from streams.encode import AnswerEncoder, derived_schema
 from streams.errors import ConfigError
+from streams.health import Health
 from streams.infer import Model
 from streams.pipeline import Pipeline
 from streams.publish import Publisher
@@ -185,6 +186,7 @@ class Wired:
     pipeline: Pipeline
     decoder: EventDecoder
     sessions: int
+    lookup: FeatureLookup | None
 
 
 def wire_pipeline(
@@ -238,7 +240,7 @@ def wire_pipeline(
         f"{fallback.signature.name} v{fallback.signature.version}" if fallback else "none",
     )  # fmt: skip
     sessions = spec.model.cpu_sessions + spec.model.cuda_sessions
-    return Wired(pipeline, decoder, sessions)
+    return Wired(pipeline, decoder, sessions, found.lookup)
 
 
 def _model(config, spec: PipelineConfig, fields, refs, resources: ExitStack) -> Model:
@@ -306,10 +308,11 @@ def create_topics(config: HeadraceConfig, partitions: int) -> list[str]:
     return ensure_topics(config.broker.bootstrap_servers, wanted, config.broker.connect_timeout_s)
 
 
-def serve_metrics(config: HeadraceConfig) -> None:
-    """Serve `/metrics` on `metrics.port` (ConfigError, at once, when it is taken)."""
+def serve_metrics(config: HeadraceConfig, health: Health) -> None:
+    """Serve `/metrics` and the health endpoints on `metrics.port` (ConfigError, at
+    once, when it is taken)."""
     try:
-        metrics.serve_metrics(config.metrics.port)
+        metrics.serve_metrics(config.metrics.port, health.answer)
     except OSError as exc:
         raise ConfigError(
             f"metrics.port {config.metrics.port}: cannot serve /metrics ({exc.strerror}); "
@@ -328,7 +331,8 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
     # Until a runtime installs its own handlers nothing was consumed: a stop is clean.
     signal.signal(signal.SIGTERM, _stop_while_starting)
     # What can be refused without loading anything, first: the port, then the broker.
-    serve_metrics(config)
+    health = Health(config)
+    serve_metrics(config, health)
     check_topics(config)
     if config.event_loop == "uvloop":
         import uvloop
@@ -352,14 +356,20 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         publisher.start()
         resources.callback(publisher.stop)
         wired = wire_pipelines(config, publisher, resources)
+        health.warmed([parts.lookup for parts in wired.values() if parts.lookup is not None])
         log.info("headrace worker ready: %d pipeline(s), %s runtime", len(wired), config.runtime)
 
         def make_runner(
             name: str, in_flight: InFlight, ack: AckBatch, pause: PausePartition
         ) -> PipelineRunner:
             parts = wired[name]
+
+            def acknowledge(handles: list) -> None:
+                health.answered()
+                ack(handles)
+
             return PipelineRunner(
-                parts.pipeline, parts.decoder, in_flight, ack, exit_on_fatal,
+                parts.pipeline, parts.decoder, in_flight, acknowledge, exit_on_fatal,
                 concurrent_inference=parts.sessions, pause=pause,
                 publish_ahead=BATCHES_AHEAD if transactions is not None else 0,
             )  # fmt: skip
@@ -368,11 +378,13 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
             from streams.consumers.confluent import BareConsumer
 
             heap.settle_heap()
-            asyncio.run(BareConsumer(config, make_runner, transactions, exit_on_fatal).serve())
+            asyncio.run(
+                BareConsumer(config, make_runner, health, transactions, exit_on_fatal).serve()
+            )
             return
         from streams.consumers import faust
 
         # aiokafka logs each failed connection attempt of an outage (~1,200 lines in 15 s).
         quiet_repeats(["aiokafka", "faust", "mode"])
         heap.settle_heap()
-        faust.serve(config, make_runner, log_level)
+        faust.serve(config, make_runner, health, log_level)

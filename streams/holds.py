@@ -96,6 +96,11 @@ class PartitionHolds:
         return bool(self._holds)
 
     @property
+    def held(self) -> int:
+        """Records held now, over every partition."""
+        return sum(len(hold.records) for hold in self._holds.values())
+
+    @property
     def stalled(self) -> int:
         return sum(hold.stalled_s is not None for hold in self._holds.values())
 

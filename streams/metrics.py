@@ -6,11 +6,14 @@ reasons from fixed sets in the code.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 from collections import Counter as Tally
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from features.metrics import SECONDS_BUCKETS
 
@@ -211,7 +214,31 @@ def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
     histogram._sum.inc(sum(amounts))
 
 
-def serve_metrics(port: int) -> None:
-    """Serve `/metrics` from a daemon thread; port 0 means no endpoint."""
-    if port:
-        start_http_server(port)
+# (HTTP status, body) for a path it answers, None for the others.
+ExtraRoutes = Callable[[str], tuple[int, str] | None]
+
+
+def serve_metrics(port: int, extra: ExtraRoutes = lambda path: None) -> None:
+    """Serve `/metrics`, and the paths `extra` answers (health), from daemon threads
+    (one per request: a slow check does not hold up a scrape); port 0: no endpoint.
+    OSError when the port is taken."""
+    if not port:
+        return
+    prometheus = make_wsgi_app()
+
+    def app(environ, start_response):
+        answer = extra(environ.get("PATH_INFO", ""))
+        if answer is None:
+            return prometheus(environ, start_response)
+        status, body = answer
+        reason = "OK" if status == 200 else "Service Unavailable"
+        start_response(f"{status} {reason}", [("Content-Type", "text/plain; charset=utf-8")])
+        return [body.encode()]
+
+    server = make_server("", port, app, ThreadingWSGIServer, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # no line per scrape or probe
+        pass

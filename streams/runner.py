@@ -161,6 +161,11 @@ class PipelineRunner:
                 self._bug = (exc, records)  # would ack the chunk): the decode stage meets
                 self._submitted.set()  # it and stops the worker
 
+    @property
+    def unanswered(self) -> int:
+        """Records submitted and not acknowledged, except those waiting for the registry."""
+        return self.in_flight.count - self._holds.held
+
     async def start(self) -> None:
         if not self._tasks:
             self._tasks = [

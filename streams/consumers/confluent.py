@@ -40,6 +40,8 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from infra.kafka_clients import client_settings
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
+from streams.drain import DrainDeadline
+from streams.health import Health
 from streams.lag import ConfluentMarks, InputProgress
 from streams.records import InputRecord
 from streams.runner import MakeRunner, PipelineRunner
@@ -55,6 +57,7 @@ class BareConsumer:
         self,
         config: HeadraceConfig,
         make_runner: MakeRunner,
+        health: Health,
         transactions: TransactionalPublisher | None = None,
         on_fatal: Callable[[BaseException, Sequence[InputRecord]], NoReturn] | None = None,
     ) -> None:
@@ -109,6 +112,8 @@ class BareConsumer:
             self._handed_over[topic] = 0
             self._bounds[topic] = (spec.max_in_flight, spec.resume_at)
         self._stopping = threading.Event()
+        self._health = health
+        self._drain_timeout_s = config.drain_timeout_s
         self._transactions = transactions
         self._on_fatal = on_fatal
         # Whether the poll thread runs `_calls` (else they run where they are made).
@@ -119,34 +124,53 @@ class BareConsumer:
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 
     async def serve(self) -> None:
-        """Run until SIGTERM or SIGINT, then drain every runner and commit."""
+        """Run until SIGTERM or SIGINT, then, within `drain_timeout_s`: stop fetching,
+        drain every runner, commit and leave the group."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         for runner in self._runners.values():
             await runner.start()
-        self._consumer.subscribe(list(self._runners), on_revoke=self._finish_revoked)
+            self._health.serving(loop, lambda runner=runner: runner.unanswered)
+        self._consumer.subscribe(
+            list(self._runners),
+            on_assign=lambda _consumer, _partitions: self._health.joined(True),
+            on_revoke=self._finish_revoked,
+        )
         poller = threading.Thread(target=self._poll, args=(loop,), name="kafka-consumer")
         self._loop, self._poller = loop, poller
         poller.start()
         try:
             await stop.wait()
         finally:
+            self._health.draining()
+            deadline = DrainDeadline(self._drain_timeout_s)
             self._stopping.set()
             await loop.run_in_executor(None, poller.join)
             self._polling = False
             self._run_queued_calls()  # made while the poll thread was ending
+            try:
+                await asyncio.wait_for(self._drain(), deadline.drain_left_s())
+            except TimeoutError:
+                left = sum(runner.in_flight.count for runner in self._runners.values())
+                log.warning("drain_timeout_s: %d records not answered in time, left to the "
+                            "next owner of their partitions", left)  # fmt: skip
             for runner in self._runners.values():
-                self._forget(await runner.drain())  # held for the registry: not waited for
                 await runner.stop()
             # The drained batches queued their offsets for the poll thread, which is gone:
             # store them here (nothing polls any more), so the close commits them.
             self._run_queued_calls()
-            self._consumer.close()  # commits the stored offsets
+            self._consumer.close()  # commits the stored offsets, leaves the group
+            deadline.met()
+
+    async def _drain(self) -> None:
+        for runner in self._runners.values():
+            self._forget(await runner.drain())  # held for the registry: not waited for
 
     def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
         while not self._stopping.is_set():
+            self._health.turned()
             self._run_queued_calls()
             self._apply_bounds()
             self._marks.refresh()

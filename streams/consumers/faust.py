@@ -27,13 +27,16 @@ from faust.types import TP
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.consumers.faust_feed import FeedApp
+from streams.drain import DrainDeadline
+from streams.health import Health
 from streams.lag import REFRESH_S, InputProgress, refresh_faust
 from streams.records import InputRecord
 from streams.runner import MakeRunner
 
 
-def serve(config: HeadraceConfig, make_runner: MakeRunner, log_level: str) -> None:
-    """Run a Faust worker until SIGTERM or SIGINT (Faust handles both)."""
+def serve(config: HeadraceConfig, make_runner: MakeRunner, health: Health, log_level: str) -> None:
+    """Run a Faust worker until SIGTERM or SIGINT (Faust handles both, stopping within
+    `drain_timeout_s`)."""
     app = FeedApp(
         config.app_id,
         fetch=(config.broker.fetch_max_wait_ms, config.broker.fetch_min_bytes),
@@ -57,21 +60,40 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, log_level: str) -> No
         broker_max_poll_records=max(p.max_batch_size for p in config.pipelines),
     )
     app.on_partitions_revoked.connect(_commit_before_rebalance)
+
+    @app.on_partitions_assigned.connect
+    async def joined(_app, assigned, **_kwargs) -> None:
+        health.joined(True)
+
     progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
     for spec in config.pipelines:
         _add_agent(app, spec.name, spec.input_topic, spec.max_in_flight, spec.resume_at,
-                   make_runner, progress[spec.input_topic])  # fmt: skip
+                   make_runner, progress[spec.input_topic], health)  # fmt: skip
 
     @app.timer(REFRESH_S)
     async def consumer_lag() -> None:
         await refresh_faust(app.consumer, progress)
 
-    worker = faust.Worker(app, loglevel=log_level, quiet=True)
+    worker = _Worker(app, loglevel=log_level, quiet=True)
+    worker.health, worker.drain_timeout_s = health, config.drain_timeout_s
     try:
         worker.execute_from_commandline()
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
+
+
+class _Worker(faust.Worker):
+    """Faust's worker, whose stop on a signal is bounded by `drain_timeout_s`."""
+
+    health: Health
+    drain_timeout_s: float
+
+    def _schedule_shutdown(self, signal) -> None:
+        if not self._signal_stop_time:
+            self.health.draining()
+            DrainDeadline(self.drain_timeout_s)  # ends the process if the stop is late
+        super()._schedule_shutdown(signal)
 
 
 async def _commit_before_rebalance(app: FeedApp, revoked, **_kwargs) -> None:
@@ -90,6 +112,7 @@ def _add_agent(
     low: int,
     make_runner: MakeRunner,
     progress: InputProgress,
+    health: Health,
 ) -> None:
     topic = app.topic(
         input_topic, key_type=bytes, value_type=bytes, key_serializer="raw",
@@ -116,6 +139,7 @@ def _add_agent(
     async def consume(_stream) -> None:
         # The agent's stream stays unused: records arrive a fetch at a time on the feed.
         await runner.start()
+        health.serving(asyncio.get_running_loop(), lambda: runner.unanswered)
         try:
             while True:
                 messages = await app.take(input_topic)

@@ -1,0 +1,150 @@
+"""What the worker's `/healthz/live` and `/healthz/ready` answer, from its own state.
+
+    live   the event loop runs a callback within `health.loop_timeout_ms`, and records
+           waiting for an answer (not those held for the schema registry) saw an
+           acknowledgement within `health.stall_after_s`; the bare runtime's poll
+           thread also turned within it. A worker still starting is live.
+    ready  models warmed, the group joined (partitions assigned, possibly none), a
+           bootstrap broker accepts a connection, every feature store's breaker is
+           closed, and the worker is not draining.
+
+A failed check answers 503 with one line per problem; Kubernetes restarts a worker
+that is not live and keeps one that is not ready out of rollouts and disruption
+budgets (consumers take no traffic through a Service).
+
+The checks run on the metrics server's threads; the worker reports to it from the
+event loop and the poll thread: plain attribute writes, no lock needed for what is
+read as a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from features.breaker import BreakerState
+from streams.config import HeadraceConfig
+
+if TYPE_CHECKING:
+    from features.lookup import FeatureLookup
+
+LIVE_PATH = "/healthz/live"
+READY_PATH = "/healthz/ready"
+BROKER_CONNECT_TIMEOUT_S = 1.0
+
+
+class Health:
+    def __init__(self, config: HeadraceConfig, clock: Callable[[], float] = time.monotonic):
+        self._stall_after_s = config.health.stall_after_s
+        self._loop_timeout_s = config.health.loop_timeout_ms / 1000
+        self._brokers = [_host_port(s) for s in config.broker.bootstrap_servers.split(",")]
+        self._clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lookups: list[FeatureLookup] = []
+        self._waiting: list[Callable[[], int]] = []
+        self._warmed = False
+        self._joined = False
+        self._draining = False
+        self._progress_at = clock()
+        self._turned_at: float | None = None
+
+    # Reports from the worker -------------------------------------------------------
+
+    def warmed(self, lookups: Sequence[FeatureLookup]) -> None:
+        """The models are warm; `lookups` are the pipelines' feature reads."""
+        self._lookups = list(lookups)
+        self._warmed = True
+
+    def serving(self, loop: asyncio.AbstractEventLoop, waiting: Callable[[], int]) -> None:
+        """The runtime's loop runs; `waiting()` counts records handed to a runner and
+        not answered, except those held for the registry (called from other threads)."""
+        self._loop = loop
+        self._waiting.append(waiting)
+
+    def answered(self) -> None:
+        """A batch was acknowledged."""
+        self._progress_at = self._clock()
+
+    def turned(self) -> None:
+        """The consumer's poll loop went round (bare runtime)."""
+        self._turned_at = self._clock()
+
+    def joined(self, yes: bool) -> None:
+        """The consumer joined its group (an assignment came), or lost it."""
+        self._joined = yes
+
+    def draining(self) -> None:
+        self._draining = True
+
+    # Checks, from the metrics server's threads ----------------------------------------
+
+    def live(self) -> list[str]:
+        """Problems that make the worker not live (none: live)."""
+        if self._loop is None:
+            return []  # starting: loading and warming models
+        problems = []
+        if not self._loop_answers():
+            problems.append(f"event loop did not answer within {self._loop_timeout_s:g} s")
+        now = self._clock()
+        if sum(waiting() for waiting in self._waiting) == 0:
+            self._progress_at = now  # nothing to do is no stall
+        elif now - self._progress_at > self._stall_after_s:
+            problems.append(
+                f"records wait and nothing was answered for {now - self._progress_at:.0f} s"
+            )
+        if self._turned_at is not None and now - self._turned_at > self._stall_after_s:
+            problems.append(f"consumer poll loop stuck for {now - self._turned_at:.0f} s")
+        return problems
+
+    def ready(self) -> list[str]:
+        """Problems that make the worker not ready (none: ready)."""
+        problems = []
+        if self._draining:
+            problems.append("draining: stopping")
+        if not self._warmed:
+            problems.append("starting: models warming up")
+        elif self._loop is None:
+            problems.append("starting: consumer not running yet")
+        elif not self._joined:
+            problems.append("consumer group not joined yet")
+        for lookup in self._lookups:
+            if lookup.breaker.state is not BreakerState.CLOSED:
+                problems.append(f"feature store of {lookup.service!r} unavailable")
+        if not self._broker_reachable():
+            brokers = ",".join(f"{host}:{port}" for host, port in self._brokers)
+            problems.append(f"no broker of {brokers} accepts a connection")
+        return problems
+
+    def answer(self, path: str) -> tuple[int, str] | None:
+        """(HTTP status, body) for a health path, None for any other path."""
+        check = {LIVE_PATH: self.live, READY_PATH: self.ready}.get(path.rstrip("/"))
+        if check is None:
+            return None
+        problems = check()
+        return (503, "\n".join(problems) + "\n") if problems else (200, "ok\n")
+
+    def _loop_answers(self) -> bool:
+        answered = threading.Event()
+        try:
+            self._loop.call_soon_threadsafe(answered.set)
+        except RuntimeError:  # closed: the worker is ending
+            return False
+        return answered.wait(self._loop_timeout_s)
+
+    def _broker_reachable(self) -> bool:
+        for host, port in self._brokers:
+            try:
+                socket.create_connection((host, port), BROKER_CONNECT_TIMEOUT_S).close()
+                return True
+            except OSError:
+                continue
+        return False
+
+
+def _host_port(server: str) -> tuple[str, int]:
+    host, _, port = server.strip().rpartition(":")
+    return host.strip("[]"), int(port)
