@@ -208,6 +208,27 @@ class HealthConfig(_Frozen):
     """The event loop must run a callback within this; longer means it is blocked."""
 
 
+class TracingConfig(_Frozen):
+    """OpenTelemetry tracing: the W3C `traceparent` of each input is continued by a span
+    per batch stage, and every answer and dead letter carries one on to its consumer."""
+
+    enabled: bool = False
+    """Off: no header is read or written and no span is made (nothing on the hot path)."""
+    exporter: Literal["zipkin", "otlp"] = "zipkin"
+    """`zipkin`: Zipkin's JSON v2 API; `otlp`: OTLP protobuf over HTTP (a collector,
+    Jaeger, Tempo)."""
+    endpoint: str | None = Field(None, min_length=1)
+    """Where spans go; None: the exporter's local default
+    (`http://127.0.0.1:9411/api/v2/spans`, `http://127.0.0.1:4318/v1/traces`)."""
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+    """Share of new traces recorded; an input that carries a trace follows its sampled
+    flag (parent-based sampling)."""
+    service_name: str | None = Field(None, min_length=1)
+    """The service the spans name; None: the config's `app_id`."""
+    export_timeout_ms: int = Field(5_000, ge=100, le=60_000)
+    """Longest one export request may take (spans are sent by a background thread)."""
+
+
 class HeadraceConfig(_Frozen):
     app_id: str = Field("headrace", pattern=_NAME)
     """Faust app id; also the Kafka consumer group of the workers."""
@@ -226,6 +247,7 @@ class HeadraceConfig(_Frozen):
     """Without a registry, schema ids resolve from the local catalogue in `schemas/`."""
     features: FeaturesConfig = FeaturesConfig()
     metrics: MetricsConfig = MetricsConfig()
+    tracing: TracingConfig = TracingConfig()
     health: HealthConfig = HealthConfig()
     drain_timeout_s: float = Field(20.0, gt=0, le=3_600)
     """On SIGTERM a worker stops fetching, answers and commits what it holds and leaves
