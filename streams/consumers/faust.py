@@ -30,6 +30,7 @@ from streams.consumers.faust_feed import FeedApp
 from streams.drain import DrainDeadline
 from streams.health import Health
 from streams.lag import REFRESH_S, InputProgress, refresh_faust
+from streams.logs import faust_json_logging
 from streams.records import InputRecord
 from streams.runner import MakeRunner
 
@@ -74,13 +75,16 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, health: Health, log_l
     async def consumer_lag() -> None:
         await refresh_faust(app.consumer, progress)
 
-    worker = _Worker(app, loglevel=log_level, quiet=True)
+    logging_config = faust_json_logging() if config.log_format == "json" else None
+    worker = _Worker(app, loglevel=log_level, quiet=True, logging_config=logging_config)
     worker.health, worker.drain_timeout_s = health, config.drain_timeout_s
     try:
         worker.execute_from_commandline()
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
+    if worker.deadline is not None:
+        worker.deadline.met()
 
 
 class _Worker(faust.Worker):
@@ -88,11 +92,12 @@ class _Worker(faust.Worker):
 
     health: Health
     drain_timeout_s: float
+    deadline: DrainDeadline | None = None
 
     def _schedule_shutdown(self, signal) -> None:
         if not self._signal_stop_time:
             self.health.draining()
-            DrainDeadline(self.drain_timeout_s)  # ends the process if the stop is late
+            self.deadline = DrainDeadline(self.drain_timeout_s)  # ends a late stop
         super()._schedule_shutdown(signal)
 
 
