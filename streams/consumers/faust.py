@@ -30,7 +30,6 @@ from streams.consumers.faust_feed import FeedApp
 from streams.drain import DrainDeadline
 from streams.health import Health
 from streams.lag import REFRESH_S, InputProgress, refresh_faust
-from streams.logs import faust_json_logging
 from streams.records import InputRecord
 from streams.runner import MakeRunner
 
@@ -75,8 +74,7 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, health: Health, log_l
     async def consumer_lag() -> None:
         await refresh_faust(app.consumer, progress)
 
-    logging_config = faust_json_logging() if config.log_format == "json" else None
-    worker = _Worker(app, loglevel=log_level, quiet=True, logging_config=logging_config)
+    worker = _Worker(app, loglevel=log_level, quiet=True)
     worker.health, worker.drain_timeout_s = health, config.drain_timeout_s
     try:
         worker.execute_from_commandline()
