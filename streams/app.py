@@ -38,6 +38,7 @@ from streams.encode import AnswerEncoder, derived_schema
 from streams.errors import ConfigError
 from streams.health import Health
 from streams.infer import Model
+from streams.logs import about, use_json_logs
 from streams.pipeline import Pipeline
 from streams.publish import Publisher
 from streams.records import InputRecord
@@ -281,6 +282,7 @@ def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoRet
         where,
         error,
         exc_info=error,
+        extra=about(records=records),
     )
     logging.shutdown()
     os._exit(EXIT_BATCH_FAILED)
@@ -328,6 +330,8 @@ def _stop_while_starting(_signum, _frame) -> NoReturn:
 
 def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
     """Run until SIGTERM or SIGINT; on a clean stop every answered input is committed."""
+    if config.log_format == "json":
+        use_json_logs()
     # Until a runtime installs its own handlers nothing was consumed: a stop is clean.
     signal.signal(signal.SIGTERM, _stop_while_starting)
     # What can be refused without loading anything, first: the port, then the broker.

@@ -248,6 +248,9 @@ class HeadraceConfig(_Frozen):
     features: FeaturesConfig = FeaturesConfig()
     metrics: MetricsConfig = MetricsConfig()
     tracing: TracingConfig = TracingConfig()
+    log_format: Literal["text", "json"] = "text"
+    """`json`: one JSON object per log line, with the pipeline, partition, offsets and
+    trace id where the line concerns records."""
     health: HealthConfig = HealthConfig()
     drain_timeout_s: float = Field(20.0, gt=0, le=3_600)
     """On SIGTERM a worker stops fetching, answers and commits what it holds and leaves

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from schemas.errors import DecodeError
 from schemas.validation import InvalidEventError
 from streams.errors import PublishError
+from streams.logs import about
 from streams.records import InputRecord, OutRecord
 from streams.tracing import trace_headers
 
@@ -37,11 +38,14 @@ _BATCH_OVERHEAD_BYTES = 61 + 41
 _HEADER_OVERHEAD_BYTES = 10
 
 
-def dead_letter(record: InputRecord, error: DecodeError, pipeline: str, topic: str) -> OutRecord:
+def dead_letter(
+    record: InputRecord, error: DecodeError, pipeline: str, topic: str, trace_id: str | None = None
+) -> OutRecord:
     """The input's own key and bytes, with why and where it came from in headers."""
     log.warning(
-        "dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, error
-    )
+        "dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, error,
+        extra=about(pipeline, [record], trace_id),
+    )  # fmt: skip
     headers = [
         ("headrace.error.reason", error.reason.encode()),
         ("headrace.error.message", str(error).encode()),
@@ -128,11 +132,13 @@ class Outgoing:
                        ("headrace.error.message", message.encode()),
                        *_origin(source, self.pipeline), *trace_headers(first.headers)]  # fmt: skip
             replaced = OutRecord(self.dead_letter_topic, source.key, source.value, headers)
-            log.warning("%s: %s; dead-lettering its input (%s)", where, message, reason)
+            log.warning("%s: %s; dead-lettering its input (%s)", where, message, reason,
+                        extra=about(self.pipeline, [source]))  # fmt: skip
         else:
             replaced = self._cut(first, first_why, source, reason, why, keep_key=form == 2)
             log.warning("%s: %s; writing its dead letter %s (%s)", where, why,
-                        "cut" if form == 2 else "without key or value", reason)  # fmt: skip
+                        "cut" if form == 2 else "without key or value", reason,
+                        extra=about(self.pipeline, [source]))  # fmt: skip
         self._forms[index] = form
         self.records[index] = replaced
         self.rewritten[index] = reason

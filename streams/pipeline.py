@@ -232,7 +232,9 @@ class Pipeline:
         out = []
         for item in prepared.items:
             if item.error is not None:
-                out.append(dead_letter(item.record, item.error, spec.name, spec.dead_letter_topic))
+                trace_id = prepared.trace.trace_id_of(item)
+                topic = spec.dead_letter_topic
+                out.append(dead_letter(item.record, item.error, spec.name, topic, trace_id))
                 continue
             route = item.route
             model = self.fallback if route is Route.FALLBACK else self.model

@@ -43,6 +43,7 @@ from streams.batching import BatchPolicy, MicroBatcher
 from streams.decode import EventDecoder
 from streams.errors import PublishError
 from streams.holds import LOOKUP_BACKOFF_S, Changes, PartitionHolds
+from streams.logs import about
 from streams.pipeline import Pipeline, Prepared
 from streams.records import InputRecord, Item
 
@@ -210,6 +211,7 @@ class PipelineRunner:
                 "pipeline %s: %d records of %s wait for their schema ids: left unanswered "
                 "and unacknowledged, to be read again", self._name, len(changes.ready),
                 ", ".join(f"{topic}[{partition}]" for topic, partition in where),
+                extra=about(self._name),
             )  # fmt: skip
             await self.in_flight.done(len(changes.ready))
         return [handle for _, handle in changes.ready]
@@ -268,12 +270,14 @@ class PipelineRunner:
                 "pipeline %s: %s[%d] stalled: schema id %d cannot be resolved (%s); its "
                 "records wait, other partitions go on, retrying with backoff",
                 self._name, *stall.partition, stall.schema_id, stall.error,
+                extra=_partition(self._name, stall.partition),
             )  # fmt: skip
         for flowing in changes.flowing:
             self._stalled.dec()
             log.warning(
                 "pipeline %s: %s[%d] flows again after %.1f s stalled (%d records held)",
                 self._name, *flowing.partition, flowing.stalled_s, flowing.held,
+                extra=_partition(self._name, flowing.partition),
             )  # fmt: skip
 
     async def _release(self) -> None:
@@ -376,12 +380,16 @@ class PipelineRunner:
                     self._on_fatal(exc, records)
                 log.warning(
                     "pipeline %s: %s of a batch failed (attempt %d: %s); retrying",
-                    self._name, stage, attempt, exc,
+                    self._name, stage, attempt, exc, extra=about(self._name, records),
                 )  # fmt: skip
                 self._retries.inc()
                 await asyncio.sleep(delay_s)
             except Exception as exc:  # a bug: never ack what it may have skipped
                 self._on_fatal(exc, records)
+
+
+def _partition(pipeline: str, partition: tuple[str, int]) -> dict[str, Any]:
+    return {**about(pipeline), "topic": partition[0], "partition": partition[1]}
 
 
 MakeRunner = Callable[[str, InFlight, AckBatch, PausePartition], PipelineRunner]

@@ -30,6 +30,7 @@ from streams.consumers.faust_feed import FeedApp
 from streams.drain import DrainDeadline
 from streams.health import Health
 from streams.lag import REFRESH_S, InputProgress, refresh_faust
+from streams.logs import faust_json_logging
 from streams.records import InputRecord
 from streams.runner import MakeRunner
 
@@ -74,7 +75,10 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, health: Health, log_l
     async def consumer_lag() -> None:
         await refresh_faust(app.consumer, progress)
 
-    worker = _Worker(app, loglevel=log_level, quiet=True)
+    logging_config = faust_json_logging() if config.log_format == "json" else None
+    worker = _Worker(app, loglevel=log_level, quiet=True, logging_config=logging_config)
+    if logging_config is not None:
+        worker.spinner = None  # its terminal codes would land inside the JSON lines
     worker.health, worker.drain_timeout_s = health, config.drain_timeout_s
     try:
         worker.execute_from_commandline()
