@@ -1,5 +1,5 @@
 """Online feature reads for micro-batches: a TTL-honest cache in front of a direct
-store read, off the event loop.
+store read, the store read off the event loop.
 
 Per batch and per view: the distinct entity keys are looked up in the cache; the
 misses are read from the online store in one call; rows older than the view's TTL
@@ -79,8 +79,8 @@ class FeatureLookup:
     """Reads a feature service for batches of events.
 
     `entity_fields` maps each entity join key to the event field that carries it.
-    `fetch` runs the blocking work on one thread owned by this object (the cache is
-    only touched there); call `close()` when done.
+    `fetch` probes the cache on the event loop and reads the misses on one thread owned
+    by this object; call `close()` when done.
     """
 
     def __init__(
@@ -128,14 +128,28 @@ class FeatureLookup:
     async def fetch(
         self, events: Sequence[Mapping[str, Any]], timeout_s: float | None = None
     ) -> FeatureRows:
-        """Features of `events`, read off the loop within `timeout_s`; raises
-        StoreUnavailable when the read fails, is too slow, or the store is known down."""
+        """Features of `events`; raises StoreUnavailable when the store read they need
+        fails, is too slow (`timeout_s`), or the store is known down.
+
+        The cache is probed here, on the event loop: only the misses go to the store
+        thread, so a batch the cache answers costs no thread hand-off."""
         if not self.breaker.allow():
             raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
+        # A probe of a store that was down must read it, even what the cache holds.
+        probing = self.breaker.state is BreakerState.PROBING
+        parts = [_ViewRead(view, events, use_cache=not probing) for view in self._views]
+        reading = [part for part in parts if part.misses]
+        if reading:
+            fresh = await self._read_store(reading, timeout_s)
+            for part, rows in zip(reading, fresh, strict=True):
+                part.fill(rows)
+        return self._rows(parts, len(events))
+
+    async def _read_store(self, parts: list[_ViewRead], timeout_s: float | None) -> list:
         loop = asyncio.get_running_loop()
-        read = loop.run_in_executor(self._executor, self.read, events)
+        read = loop.run_in_executor(self._executor, _read_misses, parts)
         try:
-            rows = await asyncio.wait_for(read, timeout_s)
+            fresh = await asyncio.wait_for(read, timeout_s)
         except TimeoutError as exc:
             self._timeouts.inc()
             why = f"a read took over {timeout_s * 1000:.0f} ms"
@@ -146,7 +160,7 @@ class FeatureLookup:
             self.breaker.failed(str(exc))
             raise StoreUnavailable(f"feature service {self.service!r}: {exc}") from exc
         self.breaker.succeeded()
-        return rows
+        return fresh
 
     def _breaker_changed(self, state: BreakerState, why: str) -> None:
         # One log line per outage and one per recovery; the probes in between are quiet.
@@ -166,55 +180,86 @@ class FeatureLookup:
 
     def read(self, events: Sequence[Mapping[str, Any]]) -> FeatureRows:
         """Blocking: features of `events`, one store read per view for the cache misses."""
-        columns: dict[str, np.ndarray] = {}
-        missing: list[list[str]] = [[] for _ in events]
-        unique_total = 0
-        reads_total = 0
-        for view in self._views:
-            slot_of: dict[tuple, int] = {}
-            slots = [slot_of.setdefault(view.key_of(event), len(slot_of)) for event in events]
-            values, store_reads = self._view_rows(view, list(slot_of))
-            unique_total += len(slot_of)
-            reads_total += store_reads
-            rows = values[slots]
-            for column, name in enumerate(view.reader.features):
-                columns[f"{view.name}__{name}"] = rows[:, column]
-            for row in np.flatnonzero(np.isnan(rows).any(axis=1)):
-                missing[row].append(view.name)
-        return FeatureRows(columns, [tuple(m) for m in missing], unique_total, reads_total)
+        parts = [_ViewRead(view, events) for view in self._views]
+        for part in parts:
+            if part.misses:
+                part.fill(part.read_misses())
+        return self._rows(parts, len(events))
 
-    def _view_rows(self, view: _View, keys: list[tuple]) -> tuple[np.ndarray, int]:
-        """(keys, features) values with expired rows blanked, and how many were read."""
-        reader, cache = view.reader, view.cache
-        values = np.empty((len(keys), len(reader.features)))
-        stamps = np.empty(len(keys))
-        misses = []
-        stalest_s = 0.0
-        for index, key in enumerate(keys):
-            cached = cache.get(key)
-            if cached is None:
-                misses.append(index)
-                continue
-            values[index], stamps[index], staleness_s = cached
-            stalest_s = max(stalest_s, staleness_s)
-        view.hits.inc(len(keys) - len(misses))
-        view.staleness.observe(stalest_s)
-        if misses:
-            view.misses.inc(len(misses))
-            started = time.perf_counter()
-            fresh = reader.read([keys[i] for i in misses])
-            view.read_seconds.observe(time.perf_counter() - started)
-            evicted = cache.evictions
-            for row, index in enumerate(misses):
-                values[index], stamps[index] = fresh.values[row], fresh.event_ts_s[row]
-                cache.put(keys[index], fresh.values[row].copy(), fresh.event_ts_s[row])
-            view.evictions.inc(cache.evictions - evicted)
-        if reader.ttl_s is not None:
-            expired = self._clock() - stamps > reader.ttl_s
-            if expired.any():
-                view.expired.inc(int(expired.sum()))
-                values[expired] = np.nan
-        return values, len(misses)
+    def _rows(self, parts: list[_ViewRead], count: int) -> FeatureRows:
+        columns: dict[str, np.ndarray] = {}
+        missing: list[list[str]] = [[] for _ in range(count)]
+        now_s = self._clock()
+        for part in parts:
+            rows = part.values_at(now_s)[part.slots]
+            for column, name in enumerate(part.view.reader.features):
+                columns[f"{part.view.name}__{name}"] = rows[:, column]
+            for row in np.flatnonzero(np.isnan(rows).any(axis=1)):
+                missing[row].append(part.view.name)
+        return FeatureRows(
+            columns,
+            [tuple(m) for m in missing],
+            sum(len(part.keys) for part in parts),
+            sum(len(part.misses) for part in parts),
+        )
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+class _ViewRead:
+    """One view's share of a batch: its distinct keys, their rows from the cache, and
+    the misses to read from the store. Built and filled on the thread that owns the
+    cache (the event loop); only `read_misses` may run on the store thread."""
+
+    def __init__(
+        self, view: _View, events: Sequence[Mapping[str, Any]], use_cache: bool = True
+    ) -> None:
+        self.view = view
+        slot_of: dict[tuple, int] = {}
+        self.slots = [slot_of.setdefault(view.key_of(event), len(slot_of)) for event in events]
+        self.keys = list(slot_of)
+        self.values = np.empty((len(self.keys), len(view.reader.features)))
+        self.stamps = np.empty(len(self.keys))
+        self.misses: list[int] = []
+        stalest_s = 0.0
+        for index, key in enumerate(self.keys):
+            cached = view.cache.get(key) if use_cache else None
+            if cached is None:
+                self.misses.append(index)
+                continue
+            self.values[index], self.stamps[index], staleness_s = cached
+            stalest_s = max(stalest_s, staleness_s)
+        view.hits.inc(len(self.keys) - len(self.misses))
+        if self.misses:
+            view.misses.inc(len(self.misses))
+        view.staleness.observe(stalest_s)
+
+    def read_misses(self) -> Any:
+        """Blocking: the store's rows of the misses."""
+        started = time.perf_counter()
+        fresh = self.view.reader.read([self.keys[i] for i in self.misses])
+        self.view.read_seconds.observe(time.perf_counter() - started)
+        return fresh
+
+    def fill(self, fresh: Any) -> None:
+        cache = self.view.cache
+        evicted = cache.evictions
+        for row, index in enumerate(self.misses):
+            self.values[index], self.stamps[index] = fresh.values[row], fresh.event_ts_s[row]
+            cache.put(self.keys[index], fresh.values[row].copy(), fresh.event_ts_s[row])
+        self.view.evictions.inc(cache.evictions - evicted)
+
+    def values_at(self, now_s: float) -> np.ndarray:
+        """(keys, features) values, rows older than the view's TTL blanked (NaN)."""
+        ttl_s = self.view.reader.ttl_s
+        if ttl_s is not None:
+            expired = now_s - self.stamps > ttl_s
+            if expired.any():
+                self.view.expired.inc(int(expired.sum()))
+                self.values[expired] = np.nan
+        return self.values
+
+
+def _read_misses(parts: list[_ViewRead]) -> list:
+    return [part.read_misses() for part in parts]

@@ -123,7 +123,7 @@ class ModelSession:
         self.warmup_seconds: dict[int, float] = {}
         """Seconds of the warm-up run at each batch size."""
         for size in warmup_batch_sizes:
-            self.warmup_seconds[size] = self._timed(self.zero_feeds(size))[1]
+            self.warmup_seconds[size] = self.run_measured(self.zero_feeds(size))[1]
 
     def zero_feeds(self, rows: int) -> Feeds:
         return {tensor.name: tensor.zeros(rows) for tensor in self.signature.inputs}
@@ -154,9 +154,10 @@ class ModelSession:
     async def run_timed(self, feeds: Feeds) -> tuple[list[dict[str, Any]], float]:
         """Answers and the seconds the run itself took (without waiting for the thread)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._timed, feeds)
+        return await loop.run_in_executor(self._executor, self.run_measured, feeds)
 
-    def _timed(self, feeds: Feeds) -> tuple[list[dict[str, Any]], float]:
+    def run_measured(self, feeds: Feeds) -> tuple[list[dict[str, Any]], float]:
+        """Blocking: answers and the seconds of the run."""
         started = time.perf_counter()
         answers = self.run(feeds)
         return answers, time.perf_counter() - started

@@ -77,8 +77,10 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, health: Health, log_l
 
     logging_config = faust_json_logging() if config.log_format == "json" else None
     worker = _Worker(app, loglevel=log_level, quiet=True, logging_config=logging_config)
-    if logging_config is not None:
-        worker.spinner = None  # its terminal codes would land inside the JSON lines
+    # No start-up spinner: to turn on every log record it sets the root logger to DEBUG,
+    # so every debug call of aiokafka and mode built a record (~10% of the worker's CPU
+    # under load); and its terminal codes would land inside JSON lines.
+    worker.spinner = None
     worker.health, worker.drain_timeout_s = health, config.drain_timeout_s
     try:
         worker.execute_from_commandline()
