@@ -588,6 +588,11 @@ def demo(
     show_default=True,
     help="The workers' delivery; exactly_once runs on the bare runtime only (Faust skipped).",
 )
+@click.option(
+    "--tracing",
+    is_flag=True,
+    help="Workers trace every event (100% sampling, to a private Zipkin): what tracing costs.",
+)
 @click.option("--bootstrap", help="Use this running broker instead of a private one.")
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True
@@ -612,6 +617,7 @@ def bench(
     runtimes: tuple[str, ...],
     overload_model: str,
     delivery: str,
+    tracing: bool,
     bootstrap: str | None,
     out: Path,
 ) -> None:
@@ -644,6 +650,7 @@ def bench(
         runtimes=runtimes or ("bare", "faust"),
         overload_model=overload_model,
         delivery=delivery,
+        tracing=tracing,
         bootstrap_servers=bootstrap,
         state_dir=DEFAULT_STATE / "bench",
     )

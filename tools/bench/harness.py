@@ -39,6 +39,7 @@ from features.sample_data import SampleWorld
 from infra.kafka import KafkaBroker
 from infra.ports import free_port
 from infra.topics import delete_topics, ensure_topics
+from infra.zipkin import ZipkinServer
 from models.config import ModelConfig
 from models.session import load_session
 from models.synthetic import write_heavy_model
@@ -132,6 +133,9 @@ class BenchSettings(BaseModel):
     """The workers' delivery; exactly_once runs on the bare runtime only (the Faust
     systems are skipped)."""
     """The overload scenario's model: `heavy` (see HEAVY_MODEL) or the sample MLP."""
+    tracing: bool = False
+    """Workers trace at 100% sampling, every event its own sampled trace (a `traceparent`
+    header), spans sent to a private in-memory Zipkin: what tracing costs."""
     state_dir: Path = Path(".headrace/bench")
     bootstrap_servers: str | None = None
     """Reuse a running broker instead of starting a private one."""
@@ -207,11 +211,12 @@ class Bench:
         self.producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 1})
         self.broker_pid = broker.process.pid() if broker is not None else None
         started = time.time()
+        self.zipkin = self._zipkin()
         try:
             self.echo("preparing features (SQLite Feast) and the sample model")
             self.world = world = SampleWorld()
             self.repo, self.model_path = prepare_sample_assets(self.state_dir, world)
-            self.records = _event_pool(world, self.run_id)
+            self.records = _event_pool(world, self.run_id, traced=settings.tracing)
             results: dict = {"settings": settings.model_dump(mode="json"), "steps": []}
             self.systems: dict[str, dict] = {}
             results["systems"] = self.systems
@@ -251,6 +256,8 @@ class Bench:
                 delete_topics(self.bootstrap, self._topics)
             if broker is not None:
                 broker.stop()
+            if self.zipkin is not None:
+                self.zipkin.stop()
 
     # Systems --------------------------------------------------------------------
 
@@ -525,6 +532,7 @@ class Bench:
             latency_budget_ms=latency_budget_ms,
             fallback_model=fallback_path(self.model_path),
             delivery=self.settings.delivery if worker else "at_least_once",
+            tracing=self._tracing() if worker else None,
         )
         config_file = self.state_dir / f"{name}.yaml"
         parsed = write_config(config, config_file)
@@ -686,6 +694,19 @@ class Bench:
         self._topics.append(topic)
         return topic
 
+    def _zipkin(self) -> ZipkinServer | None:
+        if not self.settings.tracing:
+            return None
+        zipkin = ZipkinServer(self.state_dir / "zipkin", free_port())
+        self.echo("starting a private Zipkin (tracing on)")
+        zipkin.start()
+        return zipkin
+
+    def _tracing(self) -> dict | None:
+        if self.zipkin is None:
+            return None
+        return {"enabled": True, "sample_ratio": 1.0, "endpoint": self.zipkin.spans_endpoint}
+
     def _broker(self) -> KafkaBroker | None:
         if self.settings.bootstrap_servers:
             return None
@@ -698,9 +719,16 @@ class Bench:
         return broker
 
 
-def _event_pool(world: SampleWorld, run_id: str) -> Iterator[tuple[bytes, bytes]]:
-    """The same encoded events for every system, cycled; encoding stays off the send path."""
+def _event_pool(world: SampleWorld, run_id: str, traced: bool = False) -> Iterator[Record]:
+    """The same encoded events for every system, cycled; encoding stays off the send path.
+    `traced`: each with a `traceparent` of a sampled trace of its own."""
     encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", "bench-value")
-    pool = list(itertools.islice(encoded(sample_events(world, 1, f"bench-{run_id}"), encoder),
-                                 EVENT_POOL))  # fmt: skip
+    pool: list[Record] = list(itertools.islice(
+        encoded(sample_events(world, 1, f"bench-{run_id}"), encoder), EVENT_POOL))  # fmt: skip
+    if traced:
+        pool = [(key, value, [("traceparent", _traceparent())]) for key, value in pool]
     return itertools.cycle(pool)
+
+
+def _traceparent() -> bytes:
+    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01".encode()
