@@ -68,6 +68,9 @@ class FeatureCache:
             self._rows.popitem(last=False)
             self.evictions += 1
 
+    def clear(self) -> None:
+        self._rows.clear()
+
     def invalidate(self, key: Hashable) -> None:
         """Forget a key (its features were just updated, e.g. through Feast's push API)."""
         self._rows.pop(key, None)

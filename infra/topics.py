@@ -44,15 +44,19 @@ def _done(future, bootstrap_servers: str, what: str, ignored: int | None = None)
 
 
 def ensure_topics(
-    bootstrap_servers: str, partitions: Mapping[str, int], timeout_s: float = DEFAULT_TIMEOUT_S
+    bootstrap_servers: str,
+    partitions: Mapping[str, int],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    config: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """Create the topics that do not exist yet; return the names created.
+    """Create the topics that do not exist yet (with `config`, e.g. compaction); return
+    the names created.
 
     An existing topic is left as it is, whatever its partition count.
     """
     existing = list_topics(bootstrap_servers, timeout_s)
     wanted = [
-        NewTopic(name, num_partitions=count, replication_factor=1)
+        NewTopic(name, num_partitions=count, replication_factor=1, config=dict(config or {}))
         for name, count in partitions.items()
         if name not in existing
     ]

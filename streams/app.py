@@ -33,6 +33,7 @@ from streams import heap, metrics
 from streams.admit import Admission, Ladder, Tickets
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig, PipelineConfig
+from streams.control import ControlFollower, ensure_control_topics
 from streams.decode import EventDecoder
 from streams.encode import AnswerEncoder, derived_schema
 from streams.errors import ConfigError
@@ -43,6 +44,8 @@ from streams.pipeline import Pipeline
 from streams.publish import Publisher
 from streams.records import InputRecord
 from streams.runner import AckBatch, PausePartition, PipelineRunner
+from streams.shadow import ShadowScorer
+from streams.swap import ModelSwitcher
 from streams.tracing import open_provider, tracing_for
 from streams.transact import BATCHES_AHEAD, TransactionalPublisher, transactional_id
 
@@ -188,6 +191,11 @@ class Wired:
     decoder: EventDecoder
     sessions: int
     lookup: FeatureLookup | None
+    codec: AvroEncoder | None = None
+    """Frames its answers (a shadow candidate's too)."""
+    fields: list[str] = field(default_factory=list)
+    feature_refs: list[str] = field(default_factory=list)
+    shadow: ShadowScorer | None = None
 
 
 def wire_pipeline(
@@ -241,7 +249,7 @@ def wire_pipeline(
         f"{fallback.signature.name} v{fallback.signature.version}" if fallback else "none",
     )  # fmt: skip
     sessions = spec.model.cpu_sessions + spec.model.cuda_sessions
-    return Wired(pipeline, decoder, sessions, found.lookup)
+    return Wired(pipeline, decoder, sessions, found.lookup, codec, fields, refs)
 
 
 def _model(config, spec: PipelineConfig, fields, refs, resources: ExitStack) -> Model:
@@ -307,6 +315,7 @@ def create_topics(config: HeadraceConfig, partitions: int) -> list[str]:
         wanted[spec.input_topic] = partitions
         wanted[spec.output_topic] = partitions
         wanted[spec.dead_letter_topic] = 1
+        wanted[spec.shadow_output_topic] = partitions
     return ensure_topics(config.broker.bootstrap_servers, wanted, config.broker.connect_timeout_s)
 
 
@@ -321,6 +330,31 @@ def serve_metrics(config: HeadraceConfig, health: Health) -> None:
             "hint: another process (a second worker on this host?) listens there: set "
             "metrics.port to a free port, or 0 for no endpoint"
         ) from exc
+
+
+def follow_deployments(
+    config: HeadraceConfig, wired: dict[str, Wired], resources: ExitStack
+) -> None:
+    """Serve what the control topic deploys (loaded before this returns, so a worker
+    started after a deploy answers with the deployed version from its first batch), and
+    follow its changes on a thread; a shadow scorer per pipeline."""
+    ensure_control_topics(config)
+    bootstrap, timeout_s = config.broker.bootstrap_servers, config.broker.connect_timeout_s
+    shadows = {spec.shadow_output_topic: 1 for spec in config.pipelines}
+    ensure_topics(bootstrap, shadows, timeout_s)
+    switcher = ModelSwitcher()
+    resources.callback(switcher.close)
+    for parts in wired.values():
+        switcher.add(parts.pipeline, parts.fields, parts.feature_refs)
+        spec = parts.pipeline.config
+        encoder = AnswerEncoder(parts.codec, spec.shadow_output_topic, spec.included_fields)
+        parts.shadow = ShadowScorer(parts.pipeline, encoder,
+                                    client_settings(bootstrap, "shadow", timeout_s))  # fmt: skip
+        resources.callback(parts.shadow.close)
+    follower = ControlFollower(config, wired, switcher.apply, switcher.reports)
+    follower.catch_up(timeout_s * 2)
+    follower.start()
+    resources.callback(follower.stop)
 
 
 def _stop_while_starting(_signum, _frame) -> NoReturn:
@@ -361,6 +395,7 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         resources.callback(publisher.stop)
         wired = wire_pipelines(config, publisher, resources)
         health.warmed([parts.lookup for parts in wired.values() if parts.lookup is not None])
+        follow_deployments(config, wired, resources)
         log.info("headrace worker ready: %d pipeline(s), %s runtime", len(wired), config.runtime)
 
         def make_runner(
@@ -376,6 +411,7 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
                 parts.pipeline, parts.decoder, in_flight, acknowledge, exit_on_fatal,
                 concurrent_inference=parts.sessions, pause=pause,
                 publish_ahead=BATCHES_AHEAD if transactions is not None else 0,
+                shadow=parts.shadow,
             )  # fmt: skip
 
         if config.runtime == "bare":

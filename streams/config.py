@@ -150,6 +150,9 @@ class PipelineConfig(_Frozen):
     output: OutputConfig = OutputConfig()
     max_batch_size: int = Field(64, ge=1, le=4096)
     """Most events in one micro-batch (one Feast read, one ONNX run)."""
+    shadow_topic: str | None = Field(None, pattern=_NAME)
+    """Where a candidate deployed `--shadow` publishes its answers (None:
+    `<output_topic>-shadow`)."""
     max_wait_ms: float = Field(2.0, ge=0, le=10_000)
     """Longest the first event of a batch waits for the batch to fill."""
     batching: Literal["adaptive", "fixed"] = "adaptive"
@@ -186,6 +189,10 @@ class PipelineConfig(_Frozen):
         if self.output.include is not None:
             return self.output.include
         return [self.input.event_id_field] if self.input.event_id_field else []
+
+    @property
+    def shadow_output_topic(self) -> str:
+        return self.shadow_topic or f"{self.output_topic}-shadow"
 
     @property
     def resume_at(self) -> int:
@@ -229,6 +236,18 @@ class TracingConfig(_Frozen):
     """Longest one export request may take (spans are sent by a background thread)."""
 
 
+class ControlConfig(_Frozen):
+    """The model control plane (`headrace models deploy|promote|rollback|status`)."""
+
+    topic: str = Field("headrace-control", pattern=_NAME)
+    """Compacted topic holding each pipeline's desired deployment (the serving version,
+    a candidate in canary or shadow); every worker follows it. Created when missing."""
+    status_topic: str = Field("headrace-control-status", pattern=_NAME)
+    """Compacted topic where each worker reports what it applied (its heartbeat)."""
+    heartbeat_interval_s: float = Field(5.0, gt=0, le=3_600)
+    """How often a worker reports; `status` calls a worker silent for 3 of these gone."""
+
+
 class HeadraceConfig(_Frozen):
     app_id: str = Field("headrace", pattern=_NAME)
     """Faust app id; also the Kafka consumer group of the workers."""
@@ -247,6 +266,7 @@ class HeadraceConfig(_Frozen):
     """Without a registry, schema ids resolve from the local catalogue in `schemas/`."""
     features: FeaturesConfig = FeaturesConfig()
     metrics: MetricsConfig = MetricsConfig()
+    control: ControlConfig = ControlConfig()
     tracing: TracingConfig = TracingConfig()
     log_format: Literal["text", "json"] = "text"
     """`json`: one JSON object per log line, with the pipeline, partition, offsets and

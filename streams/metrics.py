@@ -137,6 +137,25 @@ MODEL_INFO = Gauge(
 )
 
 
+MODEL_CHANGES = Counter(
+    "headrace_model_changes",
+    "Deployments a worker acted on: applied, refused (did not load or validate), "
+    "rolled_back (a guardrail broke).",
+    ["pipeline", "outcome"],
+)
+SERVING_VERSION = Gauge(
+    "headrace_serving_version_info",
+    "1 for each model version a pipeline answers with now, by role (serving, canary, shadow).",
+    ["pipeline", "role", "version"],
+)
+SHADOW_ANSWERS = Counter(
+    "headrace_shadow_answers",
+    "A shadow candidate's answers: written to the shadow topic, skipped (it fell "
+    "behind: its queue was full), failed (it could not score or write them).",
+    ["pipeline", "result"],
+)
+
+
 class PipelineMetrics:
     """The children of one pipeline's metrics, bound once (`labels()` costs more than
     an observation on the per-event path)."""

@@ -34,6 +34,7 @@ from streams.infer import Model
 from streams.outgoing import Outgoing, dead_letter
 from streams.publish import Publisher
 from streams.records import Item, OutRecord
+from streams.serving import Serving
 from streams.tracing import NO_BATCH, NO_TRACING, NoTracing, Tracing
 
 
@@ -51,6 +52,10 @@ class Prepared:
     """Seconds of each model run (full, fallback) of the batch."""
     outgoing: Outgoing | None = None
     """Its outcome records once encoded, with what Kafka acknowledged of them."""
+    serving: Serving | None = None
+    """The models that answer it, read once when it was prepared."""
+    candidate_seconds: float = 0.0
+    """Seconds of the canary candidate's run, where some of its events took it."""
     trace: Any = NO_BATCH
     """Its spans (`streams/tracing.py`), `NO_BATCH` with tracing off."""
 
@@ -75,7 +80,7 @@ class Pipeline:
         self.config = config
         self._tracing = tracing
         self.admission = admission
-        self.model = model
+        self.serving = Serving(model)
         self.fallback = fallback
         self.metrics = measure
         self._lookup = lookup
@@ -103,6 +108,7 @@ class Pipeline:
         # The feature cache's LRU and age bound serve answers too (value: the answer).
         answers = config.degradation.answer_cache
         self._answers = FeatureCache(answers.max_entries, answers.max_age_s, clock)
+        self._cached_for = self.serving
         timeout_ms = config.degradation.store_timeout_ms or config.latency_budget_ms / 2
         self._store_timeout_s = timeout_ms / 1000
         models = {"full": model} if fallback is None else {"full": model, "fallback": fallback}
@@ -111,10 +117,29 @@ class Pipeline:
             {role: (m.signature.name, m.signature.version) for role, m in models.items()},
         )
 
+    @property
+    def model(self) -> Model:
+        """The serving model now."""
+        return self.serving.model
+
+    def use(self, serving: Serving) -> None:
+        """Answer the batches prepared from now on with `serving` (callable from any
+        thread: one reference replaced; a batch in progress keeps its own)."""
+        self.serving = serving
+
+    def done(self, prepared: Prepared) -> None:
+        """A batch's outcomes are written: its models may retire once no batch uses them."""
+        prepared.serving.in_use -= 1
+
     def prepare(self, items: Sequence[Item]) -> Prepared:
         """A released batch: every decoded event starts on the full path, for the
         runner's admission (`route`) to decide."""
         prepared = Prepared(items, trace=self._tracing.batch(items))
+        serving = prepared.serving = self.serving
+        serving.in_use += 1
+        if serving is not self._cached_for:  # another model answers: forget the old answers
+            self._answers.clear()
+            self._cached_for = serving
         use_cache = self.admission.ladder.answer_cache
         for item in items:
             if item.error is not None:
@@ -149,7 +174,8 @@ class Pipeline:
             await self._read_features(prepared)
 
     async def _read_features(self, prepared: Prepared) -> None:
-        needing = [item for item in prepared.admitted if self._needs_store(item.route)]
+        serving = prepared.serving
+        needing = [item for item in prepared.admitted if self._needs_store(item.route, serving)]
         prepared.timings["features_us"] = 0
         if not needing:
             return
@@ -169,24 +195,40 @@ class Pipeline:
         self.metrics.stage["features"].observe(seconds)
         prepared.timings["features_us"] = int(seconds * 1e6)
 
-    def _needs_store(self, route: Route) -> bool:
+    def _needs_store(self, route: Route, serving: Serving) -> bool:
         if route is Route.FULL:
-            return self.model.needs_store
+            canary = serving.canary and serving.candidate.needs_store
+            return serving.model.needs_store or canary
         return route is Route.FALLBACK and self.fallback.needs_store
 
     async def infer(self, prepared: Prepared) -> None:
         """Run the full and the fallback model on their events, one run each, at once.
         An event moved off the full path after its features were read can still take
         the fallback model: it has every input."""
-        runs = [(Route.FULL, self.model), (Route.FALLBACK, self.fallback)]
+        serving = prepared.serving
+        runs = [(Route.FULL, serving.model), (Route.FALLBACK, self.fallback)]
         with prepared.trace.stage("infer"):
             await asyncio.gather(*(self._run(prepared, route, model) for route, model in runs))
 
     async def _run(self, prepared: Prepared, route: Route, model: Model | None) -> None:
         items = [item for item in prepared.admitted if item.route is route]
+        serving = prepared.serving
+        if route is Route.FULL and serving.canary:
+            items, canary = serving.split(items)
+            for item in canary:
+                item.candidate = True
+            if canary:
+                answered = [model.run(items, prepared.rows)] if items else []
+                *ran, prepared.candidate_seconds = await asyncio.gather(
+                    *answered, serving.candidate.run(canary, prepared.rows)
+                )
+                self._answered(prepared, route, [*items, *canary], ran[0] if ran else 0.0)
+                return
         if not items:
             return
-        seconds = await model.run(items, prepared.rows)
+        self._answered(prepared, route, items, await model.run(items, prepared.rows))
+
+    def _answered(self, prepared: Prepared, route: Route, items: list[Item], seconds: float):
         if route is Route.FULL:
             self.metrics.stage["inference"].observe(seconds)
         prepared.run_seconds[route] = seconds
@@ -229,6 +271,7 @@ class Pipeline:
         no_run = {**prepared.timings, "inference_us": 0}
         missing_of = prepared.rows.missing_views if prepared.rows is not None else []
         spec = self.config
+        serving = prepared.serving
         out = []
         for item in prepared.items:
             if item.error is not None:
@@ -237,14 +280,20 @@ class Pipeline:
                 out.append(dead_letter(item.record, item.error, spec.name, topic, trace_id))
                 continue
             route = item.route
-            model = self.fallback if route is Route.FALLBACK else self.model
+            if route is Route.FALLBACK:
+                model = self.fallback
+            else:
+                canary = item.candidate and route is Route.FULL
+                model = serving.candidate if canary else serving.model
             answer = self._answer(item)
-            read_store = item.row is not None and self._needs_store(route)
+            read_store = item.row is not None and self._needs_store(route, serving)
             missing = list(missing_of[item.row]) if read_store else []
             if route is Route.FULL:
                 for view in missing:
                     self.metrics.missing_features(view).inc()
             timing = timings.get(route, no_run)
+            if item.candidate and route is Route.FULL:
+                timing = {**timing, "inference_us": int(prepared.candidate_seconds * 1e6)}
             out.append(self._encoder.encode(item, model.signature, answer, missing, timing))
         return out
 

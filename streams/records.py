@@ -56,6 +56,8 @@ class Item:
     """A fresh answer for the same input from the answer cache."""
     row: int | None = None
     """Its row in the batch's feature rows, where it needed store features."""
+    candidate: bool = False
+    """Whether a canary candidate answers it instead of the serving model."""
     answer: dict[str, Any] | None = None
     """The model's answer fields."""
     trace: Any = None

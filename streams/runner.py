@@ -46,6 +46,7 @@ from streams.holds import LOOKUP_BACKOFF_S, Changes, PartitionHolds
 from streams.logs import about
 from streams.pipeline import Pipeline, Prepared
 from streams.records import InputRecord, Item
+from streams.shadow import ShadowScorer
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,10 @@ class PipelineRunner:
         pause: PausePartition | None = None,
         lookup_backoff_s: tuple[float, float] = LOOKUP_BACKOFF_S,
         publish_ahead: int = 0,
+        shadow: ShadowScorer | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self._shadow = shadow
         self._retry_delays_s = tuple(retry_delays_s)
         self.in_flight = in_flight
         self._decoder = decoder
@@ -178,6 +181,10 @@ class PipelineRunner:
             if self._committing is not None:
                 self._tasks.append(
                     asyncio.create_task(self._acknowledge_committed(), name=f"{self._name}-ack")
+                )
+            if self._shadow is not None:
+                self._tasks.append(
+                    asyncio.create_task(self._shadow.run(), name=f"{self._name}-shadow")
                 )
             for task in self._tasks:
                 task.add_done_callback(self._stage_ended)
@@ -351,12 +358,18 @@ class PipelineRunner:
 
     async def _acknowledge(self, batch: _Batch, prepared: Prepared, started: float) -> None:
         self._ack([item.handle for item in batch.items])
+        if self._shadow is not None:  # after its answers are written, never before
+            self._shadow.offer(prepared)
+        self.pipeline.done(prepared)
         done = self._clock()
         size = len(batch.items)
         publish_s = done - started
         # A batch that commits while later ones are handed over does not hold them up.
         publish_bound_s = publish_s if self._committing is None else 0.0
-        slowest_s = max(batch.outside_model_s, *prepared.run_seconds.values(), publish_bound_s)
+        slowest_s = max(
+            batch.outside_model_s, *prepared.run_seconds.values(), prepared.candidate_seconds,
+            publish_bound_s,
+        )  # fmt: skip
         self._completion.slowest_stages.observe(size, slowest_s, done)
         self._completion.rest.observe(size, batch.outside_model_s + publish_s, done)
         await self.in_flight.done(size)

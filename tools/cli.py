@@ -242,6 +242,66 @@ def models_register(
     click.echo(f"{name} version {version}" + (f" (@{alias})" if alias else ""))
 
 
+@models.command("deploy")
+@config_option
+@click.argument("pipeline")
+@click.argument("version")
+@click.option("--canary", type=float, help="Answer this percentage of keys with VERSION.")
+@click.option(
+    "--shadow", is_flag=True, help="Score with VERSION after serving, to the shadow topic."
+)
+def models_deploy(
+    config_path: Path, pipeline: str, version: str, canary: float | None, shadow: bool
+) -> None:
+    """Make VERSION (or @ALIAS) of PIPELINE's model the serving one on every worker, or
+    try it as a candidate (--canary PCT or --shadow) beside the serving one."""
+    from tools import rollout
+
+    if canary is not None and shadow:
+        raise click.UsageError("--canary and --shadow exclude each other")
+    config = _config(config_path)
+    mode = "canary" if canary is not None else "shadow" if shadow else None
+    desired = rollout.deploy(config, _pipeline(config, pipeline), version, mode, canary or 0.0)
+    click.echo(f"{pipeline}: {rollout.describe(desired)}")
+
+
+@models.command("promote")
+@config_option
+@click.argument("pipeline")
+def models_promote(config_path: Path, pipeline: str) -> None:
+    """Make PIPELINE's candidate its serving version."""
+    from tools import rollout
+
+    config = _config(config_path)
+    desired = rollout.promote(config, _pipeline(config, pipeline))
+    click.echo(f"{pipeline}: {rollout.describe(desired)}")
+
+
+@models.command("rollback")
+@config_option
+@click.argument("pipeline")
+def models_rollback(config_path: Path, pipeline: str) -> None:
+    """Drop PIPELINE's candidate; without one, serve the previous version again."""
+    from tools import rollout
+
+    config = _config(config_path)
+    desired = rollout.rollback(config, _pipeline(config, pipeline))
+    click.echo(f"{pipeline}: {rollout.describe(desired)}")
+
+
+@models.command("status")
+@config_option
+@click.argument("pipeline", required=False)
+def models_status(config_path: Path, pipeline: str | None) -> None:
+    """What each pipeline should serve, and what each live worker serves."""
+    from tools import rollout
+
+    config = _config(config_path)
+    specs = [_pipeline(config, pipeline)] if pipeline else config.pipelines
+    for spec in specs:
+        click.echo("\n".join(rollout.status_lines(config, spec)))
+
+
 @cli.command()
 @config_option
 def check(config_path: Path) -> None:

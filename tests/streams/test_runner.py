@@ -78,6 +78,9 @@ class FakePipeline:
     def route(self, items, estimates) -> None:
         pass
 
+    def done(self, prepared) -> None:
+        pass
+
     async def read_features(self, prepared) -> None:
         self._maybe_fail("features")
         prepared.timings["features_us"] = 0
