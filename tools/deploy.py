@@ -200,6 +200,23 @@ def stop_worker(worker: subprocess.Popen, timeout_s: float = 60.0) -> int:
     return worker.returncode
 
 
+def group_spread(bootstrap: str, group: str, timeout_s: float = 15.0) -> list[int]:
+    """How many partitions each member of consumer group `group` holds, members without
+    any left out, largest first; empty while the group has no member or its coordinator
+    is still loading (a fresh broker), so a caller asks again."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    (future,) = admin.describe_consumer_groups([group], request_timeout=timeout_s).values()
+    try:
+        described = future.result(timeout=timeout_s + 5)
+    except KafkaException:
+        return []
+    held = (len(member.assignment.topic_partitions) for member in described.members)
+    return sorted((count for count in held if count), reverse=True)
+
+
 def write_config(config: dict[str, Any], path: Path) -> HeadraceConfig:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return parse_config(config, str(path), path.parent)

@@ -49,12 +49,18 @@ def create_topics(bootstrap: str, topics: Mapping[str, tuple[int, dict[str, str]
 
 @pytest.fixture
 def chaos_deploy(kafka, sample_assets, tmp_path):
-    """Factory: `chaos_deploy(runtime, input_configs={...}, **sample_config overrides)`:
-    the sample pipeline on its own topics (input: 3 partitions with `input_configs`;
-    output: 3 partitions; dead letters: 1), answering patiently (no deadline shedding)."""
+    """Factory: `chaos_deploy(runtime, input_configs={...}, input_partitions=3,
+    **sample_config overrides)`: the sample pipeline on its own topics (input:
+    `input_partitions` with `input_configs`; output: 3 partitions; dead letters: 1),
+    answering patiently (no deadline shedding)."""
     created: list[str] = []
 
-    def make(runtime: str, input_configs: dict[str, str] | None = None, **overrides) -> Deployment:
+    def make(
+        runtime: str,
+        input_configs: dict[str, str] | None = None,
+        input_partitions: int = 3,
+        **overrides,
+    ) -> Deployment:
         suffix = f"-{uuid.uuid4().hex[:8]}"
         overrides.setdefault("fallback_model", fallback_path(sample_assets.model))
         overrides.setdefault("latency_budget_ms", PATIENT_BUDGET_MS)
@@ -64,7 +70,7 @@ def chaos_deploy(kafka, sample_assets, tmp_path):
         config = write_config(raw, config_file)
         spec = config.pipelines[0]
         topics = {
-            spec.input_topic: (3, input_configs or {}),
+            spec.input_topic: (input_partitions, input_configs or {}),
             spec.output_topic: (3, {}),
             spec.dead_letter_topic: (1, {}),
         }

@@ -9,13 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient
 
 from tests.chaos.conftest import input_offsets, outcomes_per_input
 from tests.helpers import produce_events, wait_until
 from tests.streams.test_worker import collector_for
-from tools.deploy import start_worker, stop_worker
+from tools.deploy import group_spread, start_worker, stop_worker
 
 pytestmark = pytest.mark.integration
 
@@ -48,16 +46,6 @@ def all_answered(collector, bootstrap: str, topic: str) -> bool:
     return input_offsets(bootstrap, topic) <= set(counts)
 
 
-def members(bootstrap: str, group: str) -> int:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    (future,) = admin.describe_consumer_groups([group], request_timeout=10).values()
-    try:
-        described = future.result(timeout=15)
-    except KafkaException:  # the coordinator still loading (a fresh broker): ask again
-        return 0
-    return sum(1 for member in described.members if member.assignment.topic_partitions)
-
-
 def answered(collector) -> int:
     return len(collector.snapshot().predictions)
 
@@ -74,13 +62,17 @@ def test_a_member_that_leaves_and_rejoins_under_load_repeats_nothing(
         with deployment.worker():
             second = start_worker(deployment.config_file, deployment.log_file)
             with steady_load(kafka, deployment, sample_assets.world):
-                assert wait_until(lambda: members(kafka.bootstrap_servers, group) == 2, 120)
+                assert wait_until(
+                    lambda: len(group_spread(kafka.bootstrap_servers, group)) == 2, 120
+                )
                 assert wait_until(lambda: answered(collector) > 300, 120), deployment.log_tail()
                 assert stop_worker(second) == 0  # leaves the group: the first takes over
                 now = answered(collector)
                 assert wait_until(lambda: answered(collector) > now + 300, 60)
                 second = start_worker(deployment.config_file, deployment.log_file)
-                assert wait_until(lambda: members(kafka.bootstrap_servers, group) == 2, 120)
+                assert wait_until(
+                    lambda: len(group_spread(kafka.bootstrap_servers, group)) == 2, 120
+                )
                 now = answered(collector)
                 assert wait_until(lambda: answered(collector) > now + 300, 60)
             assert wait_until(
