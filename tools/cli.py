@@ -607,7 +607,11 @@ def demo(
     help="The workers' latency budget and the p99 bound of the verdicts "
     "[default: 50 for the sweep, 250 for the overload scenario].",
 )
-@click.option("--partitions", default=3, show_default=True)
+@click.option(
+    "--partitions",
+    type=click.IntRange(1, 64),
+    help="Partitions of each topic [default: 12 for the scaleout scenario, else 3].",
+)
 @click.option("--max-batch-size", default=64, show_default=True)
 @click.option("--max-wait-ms", default=5.0, show_default=True)
 @click.option("--no-baselines", is_flag=True, help="Only headrace (no naive, Kafka, ONNX).")
@@ -621,10 +625,12 @@ def demo(
 )
 @click.option(
     "--scenario",
-    type=click.Choice(["sweep", "overload", "devices"]),
+    type=click.Choice(["sweep", "overload", "capacity", "scaleout", "devices"]),
     default="sweep",
     show_default=True,
     help="sweep: headrace and baselines over rising rates; overload: 0.5x to 4x capacity; "
+    "capacity: one worker's sustainable rate and the workers, partitions and KEDA lag "
+    "threshold a target rate needs; scaleout: 1, 2 and 3 workers of one group; "
     "devices: ONNX Runtime on CPU and CUDA (no Kafka; reports CUDA unavailable on CPU-only).",
 )
 @click.option(
@@ -632,7 +638,21 @@ def demo(
     "runtimes",
     multiple=True,
     type=click.Choice(["bare", "faust"]),
-    help="Runtimes of the overload scenario (repeatable; default both).",
+    help="Runtimes of the overload, capacity and scaleout scenarios (repeatable; default "
+    "both, bare only for scaleout).",
+)
+@click.option(
+    "--target-rate",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Input rate (events/s) the capacity scenario plans for [default: 1, 2, 5 and 10 "
+    "times one worker's rate].",
+)
+@click.option(
+    "--headroom",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=0.5,
+    show_default=True,
+    help="Share of a worker's sustainable rate the capacity plan uses.",
 )
 @click.option(
     "--overload-model",
@@ -668,13 +688,15 @@ def bench(
     warmup: float,
     measure: float,
     budget_ms: float | None,
-    partitions: int,
+    partitions: int | None,
     max_batch_size: int,
     max_wait_ms: float,
     no_baselines: bool,
     systems: tuple[str, ...],
     scenario: str,
     runtimes: tuple[str, ...],
+    target_rate: float | None,
+    headroom: float,
     overload_model: str,
     delivery: str,
     tracing: bool,
@@ -701,13 +723,15 @@ def bench(
         warmup_s=warmup,
         measure_s=measure,
         budget_ms=budget_ms or (250.0 if scenario == "overload" else 50.0),
-        partitions=partitions,
+        partitions=partitions or (12 if scenario == "scaleout" else 3),
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
         baselines=not no_baselines,
         systems=systems or ("kafka", "headrace", "bare", "naive", "mlserver"),
         scenario=scenario,
-        runtimes=runtimes or ("bare", "faust"),
+        runtimes=runtimes or (("bare",) if scenario == "scaleout" else ("bare", "faust")),
+        target_per_s=target_rate,
+        headroom=headroom,
         overload_model=overload_model,
         delivery=delivery,
         tracing=tracing,

@@ -12,6 +12,9 @@ cannot be built.
 The overload scenario (`scenario="overload"`) first finds a worker's capacity (the
 highest rate of answers in full over a doubling ramp), then offers 0.5x, 1x, 2x and
 4x that capacity and reports counts and percentiles per outcome status.
+
+The capacity and scale-out scenarios (`tools/bench/scale.py`) run the same sweep on one
+worker, and on 1, 2 and 3 workers of one group.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from tools.bench.mlserver.env import DEFAULT_VENV, MLServerUnavailable, ensure_v
 from tools.bench.profile import scrape, stage_profile
 from tools.collector import TopicReader
 from tools.deploy import (
+    group_spread,
     prepare_sample_assets,
     sample_config,
     start_process,
@@ -125,9 +129,15 @@ class BenchSettings(BaseModel):
     """MLServer's adaptive batching window (its batch size cap is `max_batch_size`)."""
     mlserver_freeze_heap: bool = True
     """MLServer's runtime freezes its start-up heap once loaded, as headrace's workers do."""
-    scenario: Literal["sweep", "overload"] = "sweep"
+    scenario: Literal["sweep", "overload", "capacity", "scaleout"] = "sweep"
     runtimes: tuple[Literal["faust", "bare"], ...] = ("bare", "faust")
-    """Runtimes the overload scenario runs."""
+    """Runtimes the overload, capacity and scale-out scenarios run."""
+    target_per_s: float | None = Field(None, gt=0)
+    """The capacity scenario plans for this input rate (None: a few multiples of one
+    worker's rate)."""
+    headroom: float = Field(0.5, gt=0, le=1)
+    """Share of a worker's sustainable rate the capacity plan uses (the rest absorbs
+    bursts, rebalances and a noisy neighbour)."""
     overload_model: Literal["heavy", "sample"] = "heavy"
     delivery: Literal["at_least_once", "exactly_once"] = "at_least_once"
     """The workers' delivery; exactly_once runs on the bare runtime only (the Faust
@@ -190,6 +200,9 @@ class SystemUnderTest:
     restart: Callable[[], None] | None = None
     """Replaces the process, topics and reader with fresh ones (None: cannot)."""
     restarts: int = 0
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    """The worker processes of one group, where there are several (`process` is the first)."""
+    group: str | None = None
 
 
 class Bench:
@@ -232,6 +245,14 @@ class Bench:
                 results["onnx"] = []
                 results["elapsed_s"] = time.time() - started
                 return results
+            if settings.scenario in ("capacity", "scaleout"):
+                from tools.bench import scale  # it builds on this module
+
+                run_scenario = scale.capacity if settings.scenario == "capacity" else scale.scaleout
+                self._warm_broker()
+                results[settings.scenario], results["steps"] = run_scenario(self)
+                results["elapsed_s"] = time.time() - started
+                return results
             systems = settings.systems if settings.baselines else ("headrace",)
             if settings.baselines:
                 results["onnx"] = self._raw_onnx()
@@ -260,6 +281,22 @@ class Bench:
                 self.zipkin.stop()
 
     # Systems --------------------------------------------------------------------
+
+    def sweep_workers(self, name: str, runtime: str, workers: int = 1) -> list[StepResult]:
+        """The sweep of `workers` worker processes in one group sharing its topics; the
+        sustainable rate and bracket go to `self.systems[name]`, with the partitions each
+        worker held (`partitions_per_worker`)."""
+        system, _ = self._start_pipeline_process(name, worker=True, runtime=runtime,
+                                                 workers=workers)  # fmt: skip
+        try:
+            spread = group_spread(self.bootstrap, system.group)
+            steps = self._sweep(system, self.settings.offered_rates())
+            self.systems[name]["partitions_per_worker"] = spread
+            return steps
+        finally:
+            for process in system.workers:
+                stop_worker(process)
+            system.reader.stop()
 
     def _run_worker(self, name: str, runtime: str) -> list[StepResult]:
         system, worker = self._start_pipeline_process(name, worker=True, runtime=runtime)
@@ -517,7 +554,11 @@ class Bench:
         runtime: str = "faust",
         model_path: Path | None = None,
         latency_budget_ms: float = SWEEP_WORKER_BUDGET_MS,
+        workers: int = 1,
     ):
+        """A worker (or the naive loop) on new topics, answers read, warmed up; with
+        `workers` > 1 that many workers of one group (only the first serves metrics),
+        warm-up once all hold partitions."""
         suffix = f"-bench-{name}-{self.run_id}"
         port = free_port()
         config = sample_config(
@@ -544,22 +585,44 @@ class Bench:
         log = LatencyLog()
         reader = prediction_reader(self.bootstrap, [spec.output_topic], log).start()
         system = SystemUnderTest(
-            name, spec.input_topic, reader, log, profile_port=port if worker else None
-        )
-        self.echo(f"starting {name}")
+            name, spec.input_topic, reader, log, profile_port=port if worker else None,
+            group=parsed.app_id,
+        )  # fmt: skip
+        self.echo(f"starting {name}" + (f" ({workers} workers)" if workers > 1 else ""))
         log_file = self.state_dir / f"{name}.log"
         if worker:
-            process = start_worker(config_file, log_file)
+            system.workers.append(start_worker(config_file, log_file))
+            if workers > 1:
+                others = self.state_dir / f"{name}-others.yaml"
+                write_config({**config, "metrics": {"port": 0}}, others)
+                system.workers += [start_worker(others, log_file) for _ in range(workers - 1)]
         else:
-            process = start_process(["-m", "tools.bench.naive", str(config_file)], log_file)
+            system.workers.append(
+                start_process(["-m", "tools.bench.naive", str(config_file)], log_file)
+            )
+        process = system.workers[0]
         system.pid = process.pid
         try:
+            if workers > 1:
+                self._wait_for_members(system, workers, log_file)
             self._warm_up(system, log_file)
         except click.ClickException:
-            stop_worker(process)
+            for started in system.workers:
+                stop_worker(started)
             reader.stop()
             raise
         return system, process
+
+    def _wait_for_members(self, system: SystemUnderTest, count: int, log_file: Path) -> None:
+        """Until `count` members of the system's group hold partitions (start-up, joins)."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while len(group_spread(self.bootstrap, system.group)) < count:
+            if time.monotonic() > deadline:
+                raise click.ClickException(
+                    f"{system.name}: {count} workers did not all join within "
+                    f"{SETTLE_TIMEOUT_S:.0f} s; see {log_file}"
+                )
+            time.sleep(0.5)
 
     def _warm_up(self, system: SystemUnderTest, log_file: Path) -> None:
         """Send until answers flow: group join, partition assignment, first reads."""
@@ -634,9 +697,12 @@ class Bench:
                 self.echo(f"  {system.name}: restarting it on new topics")
                 system.restart()
         before = scrape(system.profile_port) if system.profile_port else None
-        meter = CpuMeter(
-            {"worker": system.pid, "broker": self.broker_pid, "load generator": os.getpid()}
+        workers = (
+            {f"worker {i}": p.pid for i, p in enumerate(system.workers, 1)}
+            if len(system.workers) > 1
+            else {"worker": system.pid}
         )
+        meter = CpuMeter({**workers, "broker": self.broker_pid, "load generator": os.getpid()})
         cpu_before = meter.snapshot()
         report = send_at_rate(
             self.producer,

@@ -10,7 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 from infra.kafka import KAFKA_VERSION
-from tools.bench import flame
+from tools.bench import flame, scale
 from tools.bench.harness import OVERLOAD_MULTIPLES, StepResult
 
 PACKAGES = ("headrace", "faust-streaming", "aiokafka", "confluent-kafka", "fastavro",
@@ -268,6 +268,8 @@ def write_reports(results: dict, out_dir: Path) -> dict[str, Path]:
         "steps": [asdict(s) for s in steps],
         "onnx": results.get("onnx", []),
         "overload": results.get("overload"),
+        "capacity": results.get("capacity"),
+        "scaleout": results.get("scaleout"),
     }
     paths = {
         "json": out_dir / "report.json",
@@ -310,6 +312,8 @@ def _markdown(doc: dict) -> str:
     ]
     if doc["overload"]:
         return "\n".join(lines + _overload_markdown(doc)) + "\n"
+    if doc["capacity"] or doc["scaleout"]:
+        return "\n".join(lines + scale.markdown(doc) + _steps_markdown(doc)) + "\n"
     lines += ["## Verdicts", "", *_target_lines(v, doc["systems"])]
     if v["throughput_ratio_vs_naive"]:
         lines.append(
@@ -319,33 +323,7 @@ def _markdown(doc: dict) -> str:
     if "mlserver" in v and "skipped" not in v["mlserver"]:
         lines += ["", _mlserver_note(doc["settings"])]
     lines += _systems_markdown(doc["systems"])
-    lines += [
-        "",
-        "## Steps",
-        "",
-        "CPU columns: µs of CPU per event sent in the step (warm-up, window and drain), "
-        "per process; the load generator includes the reading consumers.",
-        "",
-        "| system | phase | offered/s | achieved/s | answered | unanswered | p50 ms "
-        "| p90 ms | p99 ms | p99.9 ms | max ms | statuses | within budget "
-        "| worker µs/ev | broker µs/ev | loadgen µs/ev |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in doc["steps"]:
-        lat = s["latency"]
-        cpu = s.get("cpu_us_per_event", {})
-
-        def us(name: str, cpu=cpu) -> str:
-            return f"{cpu[name]:.0f}" if name in cpu else "-"
-
-        lines.append(
-            f"| {s['system']} | {s.get('phase', 'sweep')} | {s['offered_per_s']:.0f} | "
-            f"{s['achieved_per_s']:.0f} | {s['answered']} | {s['unanswered']} | "
-            f"{lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | {lat['p99_ms']:.1f} | "
-            f"{lat['p999_ms']:.1f} | {lat['max_ms']:.1f} | {s['statuses']} | "
-            f"{'yes' if s['within_budget'] else 'no'} | {us('worker')} | {us('broker')} | "
-            f"{us('load generator')} |"
-        )
+    lines += _steps_markdown(doc)
     profiles = [s for s in doc["steps"] if s["profile"]]
     if profiles:
         lines += ["", "## Worker profiles (mean µs per event, from the workers' stage histograms)",
@@ -373,6 +351,40 @@ def _markdown(doc: dict) -> str:
                 f"{row['per_event_us']:.1f} | {row['events_per_s']:,.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _steps_markdown(doc: dict) -> list[str]:
+    """Every step of the run, one row each."""
+    lines = [
+        "",
+        "## Steps",
+        "",
+        "CPU columns: µs of CPU per event sent in the step (warm-up, window and drain), "
+        "per process; the load generator includes the reading consumers.",
+        "",
+        "| system | phase | offered/s | achieved/s | answered | unanswered | p50 ms "
+        "| p90 ms | p99 ms | p99.9 ms | max ms | statuses | within budget "
+        "| worker µs/ev | broker µs/ev | loadgen µs/ev |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in doc["steps"]:
+        lat = s["latency"]
+        cpu = s.get("cpu_us_per_event", {})
+
+        def us(name: str, cpu=cpu) -> str:
+            # Several workers of one group ("worker 1", "worker 2"): their sum.
+            spent = [v for key, v in cpu.items() if key == name or key.startswith(f"{name} ")]
+            return f"{sum(spent):.0f}" if spent else "-"
+
+        lines.append(
+            f"| {s['system']} | {s.get('phase', 'sweep')} | {s['offered_per_s']:.0f} | "
+            f"{s['achieved_per_s']:.0f} | {s['answered']} | {s['unanswered']} | "
+            f"{lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | {lat['p99_ms']:.1f} | "
+            f"{lat['p999_ms']:.1f} | {lat['max_ms']:.1f} | {s['statuses']} | "
+            f"{'yes' if s['within_budget'] else 'no'} | {us('worker')} | {us('broker')} | "
+            f"{us('load generator')} |"
+        )
+    return lines
 
 
 def _mlserver_note(settings: dict) -> str:

@@ -1,12 +1,17 @@
-"""The overload report's table, from a made-up run (no services)."""
+"""The reports' tables (overload, verdicts, capacity, scale-out) and the capacity plan,
+from made-up runs (no services)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
+import pytest
 
 from tools.bench.harness import BenchSettings, StepResult
 from tools.bench.latency import LatencySummary
 from tools.bench.report import write_reports
+from tools.bench.scale import Plan, plan
 
 
 def test_the_overload_report_has_a_row_per_load_with_counts_per_status(tmp_path):
@@ -79,3 +84,49 @@ def test_a_skipped_mlserver_baseline_says_why(tmp_path):
     assert "MLServer Kafka mode skipped" in text
     assert "- MLServer baseline skipped: could not install MLServer (exit 1):" in text
     assert "Faust / MLServer" not in text
+
+
+def test_the_capacity_plan_is_the_manifests_arithmetic():
+    # infra/k8s: 4,000/s x 0.1 s budget x 0.5 headroom = lagThreshold 200.
+    assert plan(4_000.0, 4_000.0, 0.1, 0.5) == Plan(4_000.0, 2, 4, 200)
+    assert plan(4_000.0, 9_000.0, 0.1, 0.5).workers == 5
+    assert plan(4_000.0, 10.0, 0.1, 0.5).workers == 1
+    with pytest.raises(ValueError, match="above 0/s"):
+        plan(0.0, 100.0, 0.1, 0.5)
+
+
+def test_the_capacity_report_has_a_plan_row_per_target(tmp_path):
+    capacity = {
+        "budget_s": 0.1,
+        "headroom": 0.5,
+        "runtimes": {
+            "bare": {
+                "sustainable_per_s": 2_000.0,
+                "plans": [asdict(plan(2_000.0, 5_000.0, 0.1, 0.5))],
+            }
+        },
+    }
+    results = {"settings": BenchSettings(scenario="capacity").model_dump(mode="json"),
+               "steps": [_step("capacity-bare", 2_000.0, [5_000, 9_000], 400.0)],
+               "systems": {}, "capacity": capacity, "elapsed_s": 1.0}  # fmt: skip
+    text = write_reports(results, tmp_path)["markdown"].read_text()
+    assert "### bare runtime: one worker sustains 2,000 events/s" in text
+    assert "| 5,000 | 5 | 10 | 100 |" in text  # 5,000 / (2,000 x 0.5); 2,000 x 0.1 x 0.5
+    assert "| capacity-bare | sweep | 2000 |" in text
+
+
+def test_the_scaleout_report_says_when_the_machine_bounds_the_sum(tmp_path):
+    def row(workers: int, rate: float, cores: dict[str, float]) -> dict:
+        return {"workers": workers, "sustainable_per_s": rate, "cores": cores,
+                "partitions_per_worker": [12 // workers] * workers}  # fmt: skip
+
+    rows = [row(1, 2_000.0, {"worker": 0.9, "broker": 0.3, "load generator": 0.3}),
+            row(3, 2_200.0, {"worker 1": 0.4, "worker 2": 0.4, "worker 3": 0.4,
+                             "broker": 0.3, "load generator": 0.3})]  # fmt: skip
+    scaleout = {"machine_cores": 2, "partitions": 12, "runtimes": {"bare": rows}}
+    results = {"settings": BenchSettings(scenario="scaleout").model_dump(mode="json"),
+               "steps": [], "systems": {}, "scaleout": scaleout, "elapsed_s": 1.0}  # fmt: skip
+    text = write_reports(results, tmp_path)["markdown"].read_text()
+    assert "| 3 (bare) | [4, 4, 4] | 2,200 | 733 | 0.40, 0.40, 0.40 | 0.30 | 0.30 | 1.80 |" in text
+    assert "3 workers sustain 1.10x one worker's rate" in text
+    assert "The machine, not headrace, bounds the sum here" in text
