@@ -351,7 +351,7 @@ def follow_deployments(
         parts.shadow = ShadowScorer(parts.pipeline, encoder,
                                     client_settings(bootstrap, "shadow", timeout_s))  # fmt: skip
         resources.callback(parts.shadow.close)
-    follower = ControlFollower(config, wired, switcher.apply, switcher.reports)
+    follower = ControlFollower(config, wired, switcher.apply, switcher.reports, switcher.guard)
     follower.catch_up(timeout_s * 2)
     follower.start()
     resources.callback(follower.stop)

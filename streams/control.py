@@ -9,7 +9,10 @@ hold a `Report` (the heartbeat). Both topics have one partition: one order of ch
 `ControlFollower` is a daemon thread per worker: it reads the control topic from the
 beginning, hands each change of its pipelines' desired state to `apply` (which may
 block while a model loads: nothing on the hot path waits for it), and reports every
-`heartbeat_interval_s`. Every Kafka call has a timeout.
+`heartbeat_interval_s`. Between polls it asks `guard` for rollbacks its guardrails
+decided and writes them to the control topic like any deploy: one worker's rollback is
+enough, every worker (itself too) applies it when it reads it back. Every Kafka call
+has a timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from infra.kafka_clients import client_settings
 from infra.topics import ensure_topics
 from streams.config import HeadraceConfig
 from streams.errors import ConfigError
+from streams.guardrail import Guardrail
 
 log = logging.getLogger(__name__)
 
@@ -51,32 +55,39 @@ class Desired:
     revision: int = 0
     reason: str = ""
     """Why it last changed: `deploy`, `promote`, `rollback`, `guardrail: ...`."""
+    guardrail: Guardrail | None = None
+    """The candidate's rule (`streams/guardrail.py`); None: only a person rolls it back."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Desired:
-        return cls(**json.loads(raw))
+        fields = json.loads(raw)
+        rule = fields.pop("guardrail", None)
+        return cls(**fields, guardrail=Guardrail(**rule) if rule else None)
 
-    def deploy(self, version: str, mode: Mode | None, percent: float) -> Desired:
+    def deploy(
+        self, version: str, mode: Mode | None, percent: float, guardrail: Guardrail | None = None
+    ) -> Desired:
         changed = dict(revision=self.revision + 1, reason="deploy")
         if mode is None:
             return replace(self, serving=version, previous=self.serving, candidate=None,
-                           mode=None, canary_percent=0.0, **changed)  # fmt: skip
-        return replace(self, candidate=version, mode=mode, canary_percent=percent, **changed)
+                           mode=None, canary_percent=0.0, guardrail=None, **changed)  # fmt: skip
+        return replace(self, candidate=version, mode=mode, canary_percent=percent,
+                       guardrail=guardrail, **changed)  # fmt: skip
 
     def promote(self) -> Desired:
         if self.candidate is None:
             raise ConfigError(f"pipeline {self.pipeline}: no candidate to promote")
         return replace(self, serving=self.candidate, previous=self.serving, candidate=None,
-                       mode=None, canary_percent=0.0, revision=self.revision + 1,
-                       reason="promote")  # fmt: skip
+                       mode=None, canary_percent=0.0, guardrail=None,
+                       revision=self.revision + 1, reason="promote")  # fmt: skip
 
     def rollback(self, reason: str = "rollback") -> Desired:
         """The candidate dropped; without one, the previous serving version back."""
         if self.candidate is not None:
-            return replace(self, candidate=None, mode=None, canary_percent=0.0,
+            return replace(self, candidate=None, mode=None, canary_percent=0.0, guardrail=None,
                            revision=self.revision + 1, reason=reason)  # fmt: skip
         if self.serving is None:
             raise ConfigError(f"pipeline {self.pipeline}: nothing deployed to roll back")
@@ -196,11 +207,13 @@ class ControlFollower:
         pipelines: Iterable[str],
         apply: Callable[[Desired], None],
         applied: Callable[[], list[Report]],
+        guard: Callable[[], list[Desired]] = list,
     ) -> None:
         self._config = config
         self._pipelines = set(pipelines)
         self._apply = apply
         self._applied = applied
+        self._guard = guard
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen: dict[str, Desired] = {}
@@ -233,6 +246,16 @@ class ControlFollower:
             self._producer.produce(self._config.control.status_topic, report.to_json(), key)
         self._producer.poll(0)
 
+    def _write_rollbacks(self) -> None:
+        rollbacks = self._guard()
+        for desired in rollbacks:
+            key = f"{self._config.app_id}/{desired.pipeline}"
+            self._producer.produce(self._config.control.topic, desired.to_json(), key)
+        timeout_s = self._config.broker.connect_timeout_s
+        if rollbacks and self._producer.flush(timeout_s):
+            log.error("a guardrail's rollback was not written within %g s (still queued)",
+                      timeout_s)  # fmt: skip
+
     def _follow(self, name: str, desired: Desired) -> None:
         if name not in self._pipelines or self._seen.get(name) == desired:
             return
@@ -253,6 +276,7 @@ class ControlFollower:
                 if time.monotonic() >= next_beat:
                     self.heartbeat()
                     next_beat = time.monotonic() + interval_s
+                self._write_rollbacks()
                 message = consumer.poll(min(0.5, interval_s))
                 if message is None or message.error():
                     continue

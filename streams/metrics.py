@@ -154,6 +154,31 @@ SHADOW_ANSWERS = Counter(
     "behind: its queue was full), failed (it could not score or write them).",
     ["pipeline", "result"],
 )
+MODEL_RUN_SECONDS = Histogram(
+    "headrace_model_run_seconds",
+    "Wall time of one model run (a batch, or a canary's share of it), by model version: "
+    "a serving version and its candidate side by side.",
+    ["pipeline", "version"],
+    buckets=SECONDS_BUCKETS,
+)
+MODEL_ANSWERS = Counter(
+    "headrace_model_answers",
+    "Answers a model version computed: ok, or error (not a number: the event took the "
+    "ladder instead). Shadow answers count too.",
+    ["pipeline", "version", "result"],
+)
+MODEL_SCORE_SUM = Counter(
+    "headrace_model_score_sum",
+    "Sum of a version's ok answers' scores (value, for regression): over "
+    'headrace_model_answers_total{result="ok"}, its running mean score.',
+    ["pipeline", "version"],
+)
+MODEL_ROLLBACKS = Counter(
+    "headrace_model_rollbacks",
+    "Candidates a guardrail rolled back, by the limit broken (latency, errors, "
+    "score_drift); counted by the worker that decided.",
+    ["pipeline", "reason"],
+)
 
 
 class PipelineMetrics:

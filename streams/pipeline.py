@@ -30,6 +30,7 @@ from streams.admit import Admission, Candidate, Estimates, Route
 from streams.config import PipelineConfig
 from streams.encode import AnswerEncoder
 from streams.errors import ConfigError
+from streams.guardrail import VersionMeter
 from streams.infer import Model
 from streams.outgoing import Outgoing, dead_letter
 from streams.publish import Publisher
@@ -80,7 +81,8 @@ class Pipeline:
         self.config = config
         self._tracing = tracing
         self.admission = admission
-        self.serving = Serving(model)
+        self._meters: dict[str, VersionMeter] = {}
+        self.use(Serving(model))
         self.fallback = fallback
         self.metrics = measure
         self._lookup = lookup
@@ -125,7 +127,17 @@ class Pipeline:
     def use(self, serving: Serving) -> None:
         """Answer the batches prepared from now on with `serving` (callable from any
         thread: one reference replaced; a batch in progress keeps its own)."""
+        serving.meter = self._meter(serving.model)
+        if serving.candidate is not None:
+            serving.candidate_meter = self._meter(serving.candidate)
         self.serving = serving
+
+    def _meter(self, model: Model) -> VersionMeter:
+        """The meter of `model`'s version, bound once per version."""
+        version = model.signature.version
+        if version not in self._meters:
+            self._meters[version] = VersionMeter(self.config.name, version)
+        return self._meters[version]
 
     def done(self, prepared: Prepared) -> None:
         """A batch's outcomes are written: its models may retire once no batch uses them."""
@@ -222,11 +234,19 @@ class Pipeline:
                 *ran, prepared.candidate_seconds = await asyncio.gather(
                     *answered, serving.candidate.run(canary, prepared.rows)
                 )
+                serving.candidate_meter.record(
+                    prepared.candidate_seconds, [item.answer for item in canary]
+                )
+                if items:
+                    serving.meter.record(ran[0], [item.answer for item in items])
                 self._answered(prepared, route, [*items, *canary], ran[0] if ran else 0.0)
                 return
         if not items:
             return
-        self._answered(prepared, route, items, await model.run(items, prepared.rows))
+        seconds = await model.run(items, prepared.rows)
+        if route is Route.FULL:
+            serving.meter.record(seconds, [item.answer for item in items])
+        self._answered(prepared, route, items, seconds)
 
     def _answered(self, prepared: Prepared, route: Route, items: list[Item], seconds: float):
         if route is Route.FULL:

@@ -14,6 +14,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Literal
 
+from streams.guardrail import VersionMeter
 from streams.infer import Model
 from streams.records import Item
 
@@ -22,7 +23,8 @@ _BUCKETS = 10_000
 
 
 class Serving:
-    __slots__ = ("canary_buckets", "candidate", "in_use", "mode", "model")
+    __slots__ = ("canary_buckets", "candidate", "candidate_meter", "in_use", "meter", "mode",
+                 "model")  # fmt: skip
 
     def __init__(
         self,
@@ -37,6 +39,9 @@ class Serving:
         self.canary_buckets = round(canary_percent * _BUCKETS / 100) if mode == "canary" else 0
         self.in_use = 0
         """Batches prepared with it and not yet done (read from another thread)."""
+        self.meter: VersionMeter | None = None
+        self.candidate_meter: VersionMeter | None = None
+        """Each model's answers, metered for its guardrail (bound by `Pipeline.use`)."""
 
     @property
     def canary(self) -> bool:

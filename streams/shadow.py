@@ -73,6 +73,7 @@ class ShadowScorer:
         if not items:
             return
         answers, seconds = await candidate.pool.run_timed(candidate.feeds(items, prepared.rows))
+        prepared.serving.candidate_meter.record(seconds, answers)
         timings = {**prepared.timings, "inference_us": int(seconds * 1e6)}
         signature = candidate.signature
         for item, answer in zip(items, answers, strict=True):

@@ -9,6 +9,9 @@ pipeline in one reference swap; the next batch prepared takes it, batches in pro
 finish with the old one. A version that fails any step is refused: logged, reported in
 the heartbeat, and the pipeline keeps serving what it served. Retired models are closed
 once no batch uses them.
+
+`ModelSwitcher.guard`, called by the control thread between polls, checks each
+candidate's guardrail (`streams/guardrail.py`) and returns the rollbacks to write.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from models.registry import resolve_model, with_version
 from schemas.errors import HeadraceError
 from streams import metrics
 from streams.control import Desired, Report, worker_name
+from streams.guardrail import breach
 from streams.infer import Model
 from streams.pipeline import Pipeline
 from streams.serving import Serving
@@ -46,6 +50,10 @@ class _Slot:
     """Loaded models by registry version (None: the config's model)."""
     desired: Desired | None = None
     refused: dict[str, str] = field(default_factory=dict)
+    since_s: float = 0.0
+    """Monotonic time its `Serving` was installed: a guardrail judges answers from then."""
+    rolled_back: int = -1
+    """The revision whose candidate this worker rolled back (decided once)."""
 
 
 class ModelSwitcher:
@@ -88,6 +96,7 @@ class ModelSwitcher:
             if unchanged:
                 return not refused
             slot.pipeline.use(new)
+            slot.since_s = time.monotonic()
             metrics.MODEL_CHANGES.labels(desired.pipeline, "applied").inc()
             _export(desired.pipeline, old, 0)
             _export(desired.pipeline, new, 1)
@@ -155,6 +164,32 @@ class ModelSwitcher:
             if id(model) not in live:
                 del slot.versions[version]
                 model.pool.close()
+
+    def guard(self) -> list[Desired]:
+        """The rollbacks the candidates' guardrails decide now, each logged and counted
+        once: a candidate's answers since it was installed, over its rule's window,
+        against the serving version's (called on the control thread)."""
+        rollbacks = []
+        with self._lock:
+            for name, slot in self._slots.items():
+                desired, serving = slot.desired, slot.pipeline.serving
+                rule = desired.guardrail if desired is not None else None
+                if rule is None or serving.candidate is None:
+                    continue
+                if slot.rolled_back == desired.revision:
+                    continue
+                start_s = max(time.monotonic() - rule.window_s, slot.since_s)
+                found = breach(rule, serving.meter.since(start_s),
+                               serving.candidate_meter.since(start_s))  # fmt: skip
+                if found is None:
+                    continue
+                slot.rolled_back = desired.revision
+                metrics.MODEL_ROLLBACKS.labels(name, found.reason).inc()
+                metrics.MODEL_CHANGES.labels(name, "rolled_back").inc()
+                log.error("pipeline %s: candidate v%s broke its guardrail (%s): %s; rolled "
+                          "back", name, desired.candidate, found.reason, found.detail)  # fmt: skip
+                rollbacks.append(desired.rollback(f"guardrail: {found.reason}: {found.detail}"))
+        return rollbacks
 
     def reports(self) -> list[Report]:
         """What each pipeline serves now, for the heartbeat."""

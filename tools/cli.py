@@ -250,18 +250,49 @@ def models_register(
 @click.option(
     "--shadow", is_flag=True, help="Score with VERSION after serving, to the shadow topic."
 )
+@click.option(
+    "--max-p99-increase-ms",
+    type=float,
+    help="Guardrail: roll the candidate back when its p99 run time exceeds the serving "
+    "version's by more than this.",
+)
+@click.option(
+    "--max-error-rate", type=float, help="Guardrail: ... when this share of its answers fail."
+)
+@click.option(
+    "--max-score-drift",
+    type=float,
+    help="Guardrail: ... when its mean score moves this far from the serving version's.",
+)
+@click.option("--window-s", type=float, default=30.0, show_default=True, help="Its window.")
+@click.option(
+    "--min-answers",
+    type=int,
+    default=20,
+    show_default=True,
+    help="Answers each side needs in the window before the guardrail decides.",
+)
 def models_deploy(
-    config_path: Path, pipeline: str, version: str, canary: float | None, shadow: bool
-) -> None:
+    config_path: Path, pipeline: str, version: str, canary: float | None, shadow: bool,
+    max_p99_increase_ms: float | None, max_error_rate: float | None,
+    max_score_drift: float | None, window_s: float, min_answers: int,
+) -> None:  # fmt: skip
     """Make VERSION (or @ALIAS) of PIPELINE's model the serving one on every worker, or
-    try it as a candidate (--canary PCT or --shadow) beside the serving one."""
+    try it as a candidate (--canary PCT or --shadow) beside the serving one, optionally
+    guarded: any --max-* limit broken over the window rolls the candidate back."""
+    from streams.guardrail import Guardrail
     from tools import rollout
 
     if canary is not None and shadow:
         raise click.UsageError("--canary and --shadow exclude each other")
     config = _config(config_path)
     mode = "canary" if canary is not None else "shadow" if shadow else None
-    desired = rollout.deploy(config, _pipeline(config, pipeline), version, mode, canary or 0.0)
+    limits = (max_p99_increase_ms, max_error_rate, max_score_drift)
+    guardrail = None
+    if any(limit is not None for limit in limits):
+        guardrail = Guardrail(window_s, *limits, min_answers=min_answers)
+    spec = _pipeline(config, pipeline)
+    desired = rollout.deploy(config, spec, version, mode, canary or 0.0, guardrail)
     click.echo(f"{pipeline}: {rollout.describe(desired)}")
 
 

@@ -9,6 +9,7 @@ from models.registry import resolve_model, with_version
 from streams.config import HeadraceConfig, PipelineConfig
 from streams.control import Desired, Mode, desired_states, worker_reports, write_desired
 from streams.errors import ConfigError
+from streams.guardrail import Guardrail
 
 # A worker silent for this many heartbeat intervals is reported gone.
 _SILENT_BEATS = 3
@@ -20,15 +21,18 @@ def current(config: HeadraceConfig, spec: PipelineConfig) -> Desired:
 
 def deploy(
     config: HeadraceConfig, spec: PipelineConfig, version: str, mode: Mode | None = None,
-    canary_percent: float = 0.0,
+    canary_percent: float = 0.0, guardrail: Guardrail | None = None,
 ) -> Desired:  # fmt: skip
-    """Serve `version` (or try it as a canary or shadow candidate). The version is looked
-    up first (and downloaded, from MLflow), so a name that does not exist is refused
-    here; whether it loads and fits the pipeline, each worker checks."""
+    """Serve `version` (or try it as a canary or shadow candidate, optionally with a
+    guardrail that rolls it back). The version is looked up first (and downloaded, from
+    MLflow), so a name that does not exist is refused here; whether it loads and fits
+    the pipeline, each worker checks."""
     if mode == "canary" and not 0 < canary_percent < 100:
         raise ConfigError(f"--canary takes a percentage in (0, 100), got {canary_percent:g}")
+    if guardrail is not None and mode is None:
+        raise ConfigError("a guardrail watches a candidate; hint: add --canary PCT or --shadow")
     resolve_model(with_version(spec.model, version))
-    desired = current(config, spec).deploy(version, mode, canary_percent)
+    desired = current(config, spec).deploy(version, mode, canary_percent, guardrail)
     write_desired(config, desired)
     return desired
 
@@ -51,7 +55,18 @@ def describe(desired: Desired) -> str:
     if desired.candidate is not None:
         share = f" {desired.canary_percent:g}%" if desired.mode == "canary" else ""
         text += f", candidate {desired.candidate} ({desired.mode}{share})"
+    if desired.guardrail is not None:
+        text += f", guarded by {_rule(desired.guardrail)}"
     return f"{text} [revision {desired.revision}, {desired.reason or 'initial'}]"
+
+
+def _rule(rule: Guardrail) -> str:
+    limits = [
+        f"p99 +{rule.max_p99_increase_ms:g} ms" if rule.max_p99_increase_ms is not None else "",
+        f"error rate {rule.max_error_rate:g}" if rule.max_error_rate is not None else "",
+        f"score drift {rule.max_score_drift:g}" if rule.max_score_drift is not None else "",
+    ]
+    return f"{', '.join(limit for limit in limits if limit)} over {rule.window_s:g} s"
 
 
 def status_lines(config: HeadraceConfig, spec: PipelineConfig) -> list[str]:
