@@ -82,7 +82,7 @@ def scaleout(bench: Bench) -> tuple[dict, list[StepResult]]:
             cores = at_rate[-1].cpu_cores if at_rate else {}
             rows.append({"workers": count, "sustainable_per_s": rate, "cores": cores,
                          "partitions_per_worker": summary["partitions_per_worker"]})  # fmt: skip
-            bench.echo(f"  {runtime}, {count} workers: {rate:,.0f}/s, cores {_cores(cores)}")
+            bench.echo(f"  {runtime} x{count}: {rate:,.0f}/s, cores {_cores(cores)}")
         found[runtime] = rows
     return {"machine_cores": os.cpu_count(), "partitions": bench.settings.partitions,
             "runtimes": found}, steps  # fmt: skip
@@ -147,8 +147,10 @@ def _scaleout_lines(found: dict) -> list[str]:
 def _bound_sentence(runtime: str, rows: list[dict], one_per_s: float, machine: int) -> str:
     """Says what bounds the sum of the largest count, from the figures."""
     last = rows[-1]
+    if not one_per_s or not last["sustainable_per_s"]:
+        return f"{runtime}: a count sustained no rate within the budget here: no comparison."
     used = sum(last["cores"].values())
-    ratio = last["sustainable_per_s"] / one_per_s if one_per_s else float("nan")
+    ratio = last["sustainable_per_s"] / one_per_s
     said = (f"{runtime}: {last['workers']} workers sustain {ratio:.2f}x one worker's rate "
             f"({last['sustainable_per_s']:,.0f}/s against {one_per_s:,.0f}/s), using "
             f"{used:.2f} of the machine's {machine} cores (workers, broker and load "
