@@ -126,3 +126,11 @@ def _fit_and_export(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(onnx_model.SerializeToString())
     return {"path": str(out_path), "auc": round(auc, 4)}
+
+
+def held_out(world: SampleWorld, n_samples: int = 10_000, seed: int = 97):
+    """(events joined with their features, fraud labels) the sample models never saw,
+    drawn like the training data (a seed `train` does not use)."""
+    frame = training_frame(world, n_samples, seed)
+    labels = np.random.default_rng(seed + 1).random(len(frame)) < fraud_probability(frame)
+    return frame, labels
