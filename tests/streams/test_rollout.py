@@ -1,23 +1,28 @@
 """Model lifecycle through a real broker and real ONNX Runtime: a deploy under a steady
-stream, refused versions, a worker started after a deploy, canary and shadow."""
+stream, refused versions, a worker started after a deploy, canary and shadow, a guardrail
+that rolls a slow canary back."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import defaultdict
 
 import pytest
 import yaml
 from confluent_kafka import Producer
 
+from infra.ports import free_port
 from models.registry import FolderRegistry
+from models.synthetic import write_heavy_model
 from models.train_intent import intent_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
-from streams.control import worker_reports
+from streams.control import desired_states, worker_reports
+from streams.guardrail import Guardrail
 from tests.conftest import Deployment
-from tests.helpers import PATIENT_BUDGET_MS, produce_events, wait_until
+from tests.helpers import PATIENT_BUDGET_MS, produce_events, scrape, total, wait_until
 from tools import rollout
 from tools.audit import audit
 from tools.collector import OutcomeCollector, TopicReader
@@ -177,3 +182,58 @@ def test_canary_is_sticky_per_key_and_shadow_writes_one_answer_per_input(lifecyc
     assert all(len(versions) == 1 for versions in side.values())
     share = sum(a["model_version"] == "2" for a in canary) / len(canary)
     assert 0.04 < share < 0.18, share
+
+
+@pytest.mark.timeout(180)
+def test_a_guardrail_rolls_a_slow_canary_back_within_its_window_and_serving_goes_on(
+    lifecycle, sample_assets, tmp_path
+):
+    raw = yaml.safe_load(lifecycle.config_file.read_text())
+    port = raw["metrics"]["port"] = free_port()
+    config = write_config(raw, lifecycle.config_file)
+    spec = config.pipelines[0]
+    # ~16 MFLOP per event against the sample model's few thousand: tens of ms per batch.
+    heavy = write_heavy_model(sample_assets.model, tmp_path / "heavy.onnx")
+    slow = FolderRegistry(spec.model.registry.root).register("fraud-mlp", heavy, {})
+    collector = collector_for(lifecycle)
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")
+    events = encoded(sample_events(sample_assets.world, 23, "steady"), encoder)
+    producer = Producer({"bootstrap.servers": config.broker.bootstrap_servers})
+    rate, seconds = 100, 10
+    rule = Guardrail(window_s=10, max_p99_increase_ms=5)
+    with lifecycle.worker():
+        assert wait_until(lambda: reported(lifecycle, lambda r: r.serving == "1"), 60), (
+            lifecycle.log_tail()
+        )
+        stream = threading.Thread(
+            target=send_at_rate, args=(producer, spec.input_topic, events, rate, seconds)
+        )
+        stream.start()
+        try:
+            assert collector._reader.wait_for(100, 30) >= 100, lifecycle.log_tail()
+            rollout.deploy(config, spec, slow, "canary", 50, rule)
+            assert wait_until(lambda: reported(lifecycle, lambda r: r.candidate == slow), 30), (
+                lifecycle.log_tail()
+            )
+            answering = time.monotonic()
+            assert wait_until(lambda: reported(lifecycle, lambda r: r.candidate is None),
+                              rule.window_s), lifecycle.log_tail()  # fmt: skip
+            rolled_back_s = time.monotonic() - answering
+        finally:
+            stream.join()
+        outcomes = collector.wait_for(rate * seconds, 60)
+        rollbacks = total(scrape(port), "headrace_model_rollbacks_total", reason="latency")
+    desired = desired_states(config)[spec.name]
+    assert desired.candidate is None and desired.serving is None
+    assert desired.reason.startswith("guardrail: latency: p99"), desired.reason
+    assert rollbacks == 1 and rolled_back_s < rule.window_s
+    assert lifecycle.log_tail(400).count("broke its guardrail") == 1
+
+    # Serving went on: every input answered once and OK, the last ones by the serving model.
+    answers = outcomes.predictions
+    assert len(answers) == rate * seconds and not outcomes.dead_letters
+    assert len({(a["input_partition"], a["input_offset"]) for a in answers}) == len(answers)
+    assert all(a["status"] == "OK" for a in answers)
+    in_time = sorted(answers, key=lambda a: a["event_timestamp_ms"])
+    versions = [a["model_version"] for a in in_time]
+    assert slow in versions and versions[-50:] == ["1"] * 50
