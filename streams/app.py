@@ -43,6 +43,7 @@ from streams.logs import about, use_json_logs
 from streams.pipeline import Pipeline
 from streams.publish import Publisher
 from streams.records import InputRecord
+from streams.replay import AnsweredBefore, OutcomeTopics
 from streams.runner import AckBatch, PausePartition, PipelineRunner
 from streams.shadow import ShadowScorer
 from streams.swap import ModelSwitcher
@@ -265,9 +266,12 @@ def open_store_for(config: HeadraceConfig) -> Any:
 
 
 def wire_pipelines(
-    config: HeadraceConfig, publisher: Publisher, resources: ExitStack
+    config: HeadraceConfig,
+    publisher: Publisher,
+    resources: ExitStack,
+    catalogue: SchemaCatalogue | None = None,
 ) -> dict[str, Wired]:
-    catalogue = open_catalogue(config.registry)
+    catalogue = catalogue or open_catalogue(config.registry)
     store = open_store_for(config)
     provider = open_provider(config.tracing, config.app_id)
     if provider is not None:
@@ -276,6 +280,25 @@ def wire_pipelines(
         spec.name: wire_pipeline(spec, catalogue, store, publisher, resources, provider)
         for spec in config.pipelines
     }
+
+
+def answered_before_check(
+    config: HeadraceConfig, catalogue: SchemaCatalogue
+) -> AnsweredBefore | None:
+    """What reads the outcome topics back at each assignment (`streams/replay.py`); None
+    with exactly-once delivery (its transactions leave nothing to find) or when off."""
+    lookback_s = config.broker.replay_lookback_s
+    if config.delivery == "exactly_once" or lookback_s <= 0:
+        return None
+    broker = config.broker
+    return AnsweredBefore(
+        client_settings(broker.bootstrap_servers, "replay-check", broker.connect_timeout_s),
+        config.app_id,
+        {spec.input_topic: OutcomeTopics(spec.output_topic, spec.dead_letter_topic)
+         for spec in config.pipelines},
+        AvroDecoder(catalogue, None),
+        lookback_s,
+    )  # fmt: skip
 
 
 def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoReturn:
@@ -393,7 +416,8 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
             publisher = Publisher(config.broker, written, settings)
         publisher.start()
         resources.callback(publisher.stop)
-        wired = wire_pipelines(config, publisher, resources)
+        catalogue = open_catalogue(config.registry)
+        wired = wire_pipelines(config, publisher, resources, catalogue)
         health.warmed([parts.lookup for parts in wired.values() if parts.lookup is not None])
         follow_deployments(config, wired, resources)
         log.info("headrace worker ready: %d pipeline(s), %s runtime", len(wired), config.runtime)
@@ -419,12 +443,17 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
 
             heap.settle_heap()
             asyncio.run(
-                BareConsumer(config, make_runner, health, transactions, exit_on_fatal).serve()
-            )
+                BareConsumer(
+                    config, make_runner, health, transactions, exit_on_fatal,
+                    answered_before=answered_before_check(config, catalogue),
+                ).serve()
+            )  # fmt: skip
             return
         from streams.consumers import faust
 
         # aiokafka logs each failed connection attempt of an outage (~1,200 lines in 15 s).
         quiet_repeats(["aiokafka", "faust", "mode"])
         heap.settle_heap()
-        faust.serve(config, make_runner, health, log_level)
+        faust.serve(
+            config, make_runner, health, log_level, answered_before_check(config, catalogue)
+        )

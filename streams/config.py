@@ -57,7 +57,11 @@ class BrokerConfig(_Frozen):
     Two live workers with one name fence each other: leave it unset when unsure."""
     commit_interval_ms: int = Field(100, ge=10, le=60_000)
     """How often answered offsets are committed: what a crash can make the next worker
-    answer again (a rebalance or a clean stop commits first and repeats nothing)."""
+    read again (a rebalance or a clean stop commits first and repeats nothing)."""
+    replay_lookback_s: float = Field(120.0, ge=0, le=3_600)
+    """At each assignment, how far back the outcome topics are read for inputs past the
+    committed offsets that a crashed worker already answered (not answered again,
+    `streams/replay.py`); 0 turns the check off."""
 
     @property
     def connect_timeout_s(self) -> float:

@@ -78,6 +78,12 @@ BATCH_SIZE = Histogram(
     ["pipeline"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
 )
+ANSWERED_BEFORE = Counter(
+    "headrace_answered_before",
+    "Inputs read again after a worker stopped before committing them, found already "
+    "answered in the outcome topics and not answered twice (`streams/replay.py`).",
+    ["pipeline"],
+)
 RETRIES = Counter(
     "headrace_batch_retries", "Batches retried after a store, model or Kafka error.", ["pipeline"]
 )
@@ -189,6 +195,7 @@ class PipelineMetrics:
         self.pipeline = pipeline
         self.admission_lag = ADMISSION_LAG_SECONDS.labels(pipeline)
         self.batch_size = BATCH_SIZE.labels(pipeline)
+        self.answered_before = ANSWERED_BEFORE.labels(pipeline)
         self.stage = {
             stage: STAGE_SECONDS.labels(pipeline, stage)
             for stage in ("decode", "features", "inference", "encode", "publish")

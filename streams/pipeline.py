@@ -59,6 +59,8 @@ class Prepared:
     """Seconds of the canary candidate's run, where some of its events took it."""
     trace: Any = NO_BATCH
     """Its spans (`streams/tracing.py`), `NO_BATCH` with tracing off."""
+    outcome_items: Sequence[Item] = ()
+    """The inputs that get an outcome: all of them, except any answered before."""
 
     def count(self, route: Route) -> int:
         return sum(1 for item in self.admitted if item.route is route)
@@ -146,14 +148,18 @@ class Pipeline:
     def prepare(self, items: Sequence[Item]) -> Prepared:
         """A released batch: every decoded event starts on the full path, for the
         runner's admission (`route`) to decide."""
-        prepared = Prepared(items, trace=self._tracing.batch(items))
+        prepared = Prepared(items, trace=self._tracing.batch(items), outcome_items=items)
         serving = prepared.serving = self.serving
         serving.in_use += 1
         if serving is not self._cached_for:  # another model answers: forget the old answers
             self._answers.clear()
             self._cached_for = serving
         use_cache = self.admission.ladder.answer_cache
+        answered_before = 0
         for item in items:
+            if item.answered_before:
+                answered_before += 1
+                continue
             if item.error is not None:
                 continue
             item.route = Route.FULL
@@ -163,6 +169,9 @@ class Pipeline:
                 cached = self._answers.get(item.cache_key)
                 item.cached = None if cached is None else cached[0]
             prepared.admitted.append(item)
+        if answered_before:
+            prepared.outcome_items = [item for item in items if not item.answered_before]
+            self.metrics.answered_before.inc(answered_before)
         prepared.timings = {
             "batch_size": len(items),
             "decode_us": max((item.decode_us for item in items), default=0),
@@ -267,9 +276,9 @@ class Pipeline:
             spec = self.config
             with trace.stage("encode"):
                 outcomes = self._outcomes(prepared)
-                trace.mark(prepared.items, outcomes)
+                trace.mark(prepared.outcome_items, outcomes)
                 prepared.outgoing = Outgoing(
-                    outcomes, [item.record for item in prepared.items], spec.name,
+                    outcomes, [item.record for item in prepared.outcome_items], spec.name,
                     spec.dead_letter_topic,
                 )  # fmt: skip
         encoded = time.perf_counter()
@@ -293,7 +302,7 @@ class Pipeline:
         spec = self.config
         serving = prepared.serving
         out = []
-        for item in prepared.items:
+        for item in prepared.outcome_items:
             if item.error is not None:
                 trace_id = prepared.trace.trace_id_of(item)
                 topic = spec.dead_letter_topic
@@ -337,7 +346,7 @@ class Pipeline:
         use_cache = self.admission.ladder.answer_cache
         # Outcomes the publisher had to write as dead letters (too large), by index.
         rewritten = prepared.outgoing.rewritten if prepared.outgoing is not None else {}
-        for index, item in enumerate(prepared.items):
+        for index, item in enumerate(prepared.outcome_items):
             latency_s = max(0.0, now_s - item.record.timestamp_ms / 1000)
             if item.error is not None or index in rewritten:
                 measure.dead_letter(rewritten.get(index) or item.error.reason)

@@ -62,3 +62,6 @@ class Item:
     """The model's answer fields."""
     trace: Any = None
     """Its trace context and decode window, with tracing on (`streams/tracing.py`)."""
+    answered_before: bool = False
+    """Already answered, by a worker that stopped before committing it (`streams/replay.py`):
+    acknowledged with its batch, never answered again."""

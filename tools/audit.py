@@ -31,6 +31,7 @@ from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError
 from streams.config import HeadraceConfig, PipelineConfig
 from streams.errors import HeadraceError
+from streams.replay import input_of_dead_letter
 from tools.answers import answer_decoder
 
 STATUSES = ("OK", "DEGRADED", "SHED", "DEAD_LETTER")
@@ -184,13 +185,9 @@ def _audit_pipeline(
             answers.setdefault(where, []).append(answer["status"])
 
     def on_dead_letter(message: Message) -> None:
-        headers = {name: value.decode() for name, value in message.headers() or []}
-        if headers.get("headrace.input.topic") == spec.input_topic:
-            where = (
-                int(headers["headrace.input.partition"]),
-                int(headers["headrace.input.offset"]),
-            )
-            answers.setdefault(where, []).append("DEAD_LETTER")
+        named = input_of_dead_letter(message)
+        if named is not None and named[0] == spec.input_topic:
+            answers.setdefault(named[1:], []).append("DEAD_LETTER")
 
     deadline = time.monotonic() + timeout_s
     _read(clients, spec.output_topic, None, on_output, deadline)

@@ -44,6 +44,7 @@ from streams.drain import DrainDeadline
 from streams.health import Health
 from streams.lag import ConfluentMarks, InputProgress
 from streams.records import InputRecord
+from streams.replay import AnsweredBefore
 from streams.runner import MakeRunner, PipelineRunner
 from streams.transact import TransactionalPublisher, UnfinishedRevoke
 
@@ -60,6 +61,7 @@ class BareConsumer:
         health: Health,
         transactions: TransactionalPublisher | None = None,
         on_fatal: Callable[[BaseException, Sequence[InputRecord]], NoReturn] | None = None,
+        answered_before: AnsweredBefore | None = None,
     ) -> None:
         bootstrap, timeout_s = config.broker.bootstrap_servers, config.broker.connect_timeout_s
         self._consumer = Consumer(
@@ -116,6 +118,7 @@ class BareConsumer:
         self._drain_timeout_s = config.drain_timeout_s
         self._transactions = transactions
         self._on_fatal = on_fatal
+        self._answered_before = answered_before
         # Whether the poll thread runs `_calls` (else they run where they are made).
         self._polling = True
         if transactions is not None:
@@ -135,7 +138,7 @@ class BareConsumer:
             self._health.serving(loop, lambda runner=runner: runner.unanswered)
         self._consumer.subscribe(
             list(self._runners),
-            on_assign=lambda _consumer, _partitions: self._health.joined(True),
+            on_assign=self._assigned,
             on_revoke=self._finish_revoked,
         )
         poller = threading.Thread(target=self._poll, args=(loop,), name="kafka-consumer")
@@ -244,6 +247,19 @@ class BareConsumer:
                 log.warning("could not store offsets %s: %s", offsets, exc)
 
         self._calls.put(store)
+
+    def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Poll thread, inside `poll`, before any record of `partitions` is returned:
+        the inputs past their committed offsets already answered are handed to the
+        runners first (queued on the loop ahead of the records)."""
+        self._health.joined(True)
+        if self._answered_before is None or not partitions:
+            return
+        found = self._answered_before.scan((tp.topic, tp.partition) for tp in partitions)
+        for topic, runner in self._runners.items():
+            mine = {where: offsets for where, offsets in found.items() if where[0] == topic}
+            if mine:
+                self._loop.call_soon_threadsafe(runner.answered_before, mine)
 
     def _finish_revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Poll thread, inside `poll`, before `partitions` go to another member: wait

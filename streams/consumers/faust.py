@@ -32,10 +32,17 @@ from streams.health import Health
 from streams.lag import REFRESH_S, InputProgress, refresh_faust
 from streams.logs import faust_json_logging
 from streams.records import InputRecord
-from streams.runner import MakeRunner
+from streams.replay import AnsweredBefore
+from streams.runner import MakeRunner, PipelineRunner
 
 
-def serve(config: HeadraceConfig, make_runner: MakeRunner, health: Health, log_level: str) -> None:
+def serve(
+    config: HeadraceConfig,
+    make_runner: MakeRunner,
+    health: Health,
+    log_level: str,
+    answered_before: AnsweredBefore | None = None,
+) -> None:
     """Run a Faust worker until SIGTERM or SIGINT (Faust handles both, stopping within
     `drain_timeout_s`)."""
     app = FeedApp(
@@ -62,14 +69,20 @@ def serve(config: HeadraceConfig, make_runner: MakeRunner, health: Health, log_l
     )
     app.on_partitions_revoked.connect(_commit_before_rebalance)
 
+    progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
+    checks = _AssignmentChecks(answered_before) if answered_before is not None else None
+    for spec in config.pipelines:
+        runner = _add_agent(app, spec.name, spec.input_topic, spec.max_in_flight,
+                            spec.resume_at, make_runner, progress[spec.input_topic], health,
+                            checks)  # fmt: skip
+        if checks is not None:
+            checks.runners[spec.input_topic] = runner
+
     @app.on_partitions_assigned.connect
     async def joined(_app, assigned, **_kwargs) -> None:
         health.joined(True)
-
-    progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
-    for spec in config.pipelines:
-        _add_agent(app, spec.name, spec.input_topic, spec.max_in_flight, spec.resume_at,
-                   make_runner, progress[spec.input_topic], health)  # fmt: skip
+        if checks is not None and assigned:
+            checks.start(assigned)
 
     @app.timer(REFRESH_S)
     async def consumer_lag() -> None:
@@ -122,7 +135,8 @@ def _add_agent(
     make_runner: MakeRunner,
     progress: InputProgress,
     health: Health,
-) -> None:
+    checks: _AssignmentChecks | None,
+) -> PipelineRunner:
     topic = app.topic(
         input_topic, key_type=bytes, value_type=bytes, key_serializer="raw",
         value_serializer="raw",
@@ -153,6 +167,8 @@ def _add_agent(
             while True:
                 messages = await app.take(input_topic)
                 records = [_input_record(message) for message in messages]
+                if checks is not None and checks.pending:
+                    await checks.wait(records)
                 progress.read(records)
                 runner.submit(records, messages)
                 # At the bound: take nothing more until drained to the low-water mark.
@@ -165,6 +181,38 @@ def _add_agent(
             await runner.stop()
 
     app.agent(topic, name=f"headrace.{name}", concurrency=1)(consume)
+    return runner
+
+
+class _AssignmentChecks:
+    """Per newly assigned partition, the read-back of the inputs answered before
+    (`streams/replay.py`), run on a thread; the partition's records wait for it, so that
+    the runner knows what to skip before any of them is submitted (Faust may hand over
+    a fetch of the new assignment while the check runs)."""
+
+    def __init__(self, answered_before: AnsweredBefore) -> None:
+        self._answered_before = answered_before
+        self.runners: dict[str, PipelineRunner] = {}
+        self.pending: dict[tuple[str, int], asyncio.Task] = {}
+
+    def start(self, assigned: set[TP]) -> None:
+        partitions = [(tp.topic, tp.partition) for tp in assigned]
+        check = asyncio.ensure_future(self._check(partitions))
+        self.pending.update(dict.fromkeys(partitions, check))
+
+    async def _check(self, partitions: list[tuple[str, int]]) -> None:
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(None, self._answered_before.scan, partitions)
+        for topic, runner in self.runners.items():
+            mine = {where: offsets for where, offsets in found.items() if where[0] == topic}
+            if mine:
+                runner.answered_before(mine)
+
+    async def wait(self, records: list[InputRecord]) -> None:
+        checks = {self.pending.get((r.topic, r.partition)) for r in records} - {None}
+        if checks:
+            await asyncio.gather(*checks)
+        self.pending = {where: check for where, check in self.pending.items() if not check.done()}
 
 
 def _input_record(message) -> InputRecord:

@@ -143,6 +143,31 @@ async def test_batches_are_published_and_acked_in_order_each_after_its_publish()
     assert run.in_flight.count == 0 and not fatal
 
 
+async def test_inputs_answered_before_are_acked_in_order_and_marked_not_to_answer():
+    pipeline, acked, fatal = FakePipeline(), [], []
+    run = runner(pipeline, acked, fatal)
+    await run.start()
+    # A check of the newly assigned partition found 1, 2 and 5 answered by a worker
+    # that stopped before committing them; partition 1 was checked and had nothing.
+    run.answered_before({("in", 0): {1, 2, 5}, ("in", 1): set()})
+    marked = []
+    publish = pipeline.publish
+
+    async def publish_noting_marks(prepared) -> None:
+        marked.extend(item.record.offset for item in prepared.items if item.answered_before)
+        await publish(prepared)
+
+    pipeline.publish = publish_noting_marks
+    for first in (0, 4):
+        records = chunk(first, 4)
+        run.submit(records, [r.offset for r in records])
+    await run.drain()
+    await run.stop()
+    assert marked == [1, 2, 5]
+    assert acked == [[0, 1, 2, 3], [4, 5, 6, 7]]  # all acknowledged, in order, once
+    assert not fatal
+
+
 async def test_nothing_is_acked_while_its_publish_is_pending():
     pipeline, acked, fatal = FakePipeline(), [], []
     pipeline.publishing.clear()

@@ -1,0 +1,219 @@
+"""Answered before: inputs past a partition's committed offset that already have an
+outcome, so that a worker taking the partition over does not answer them again.
+
+A worker that dies (kill -9, out of memory) after writing answers but before committing
+their offsets leaves inputs its partitions' next owner reads again: answered twice, and
+the second answer may contradict the first (past its deadline by then, it is shed). So
+before answering a newly assigned partition, a worker reads its pipeline's outcome
+topics (answers and dead letters) from shortly before the first uncommitted input was
+written up to their current end, and collects the inputs of that partition the outcomes
+name past its committed offset. Those are acknowledged without a second answer.
+
+Bounded on purpose: outcomes are read back at most `lookback_s` (older answers of an
+input past the committed offset mean the group was down longer than that: they are
+answered again, as at-least-once allows), records are timed by clocks that may differ
+(`CLOCK_SKEW_S` of margin), and a check that fails (the broker, the registry) or takes
+longer than `CHECK_TIMEOUT_S` is logged and skipped: at worst an input is answered
+twice, never lost. An answer written by the previous owner after the check (a clean
+rebalance whose drain outlasts it) is not seen either. With exactly-once delivery the
+transactions already guarantee all of this and nothing is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message
+from confluent_kafka import TopicPartition as KafkaPartition
+
+from schemas.codec import AvroDecoder
+from schemas.errors import DecodeError, RegistryError
+
+log = logging.getLogger(__name__)
+
+Partition = tuple[str, int]
+"""(topic, partition) of an input."""
+
+CLOCK_SKEW_S = 10.0
+CHECK_TIMEOUT_S = 10.0
+_REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class OutcomeTopics:
+    """Where one input topic's outcomes go."""
+
+    output_topic: str
+    dead_letter_topic: str
+
+
+def input_of_answer(message: Message, decoder: AvroDecoder) -> tuple[str, int, int] | None:
+    """The input (topic, partition, offset) an answer names; None when unreadable."""
+    try:
+        answer = decoder.decode(message.value())
+    except DecodeError:
+        return None
+    return answer["input_topic"], answer["input_partition"], answer["input_offset"]
+
+
+def input_of_dead_letter(message: Message) -> tuple[str, int, int] | None:
+    """The input a dead letter names in its headers; None when it names none."""
+    headers = dict(message.headers() or [])
+    try:
+        return (
+            headers["headrace.input.topic"].decode(),
+            int(headers["headrace.input.partition"]),
+            int(headers["headrace.input.offset"]),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+class AnsweredBefore:
+    """Reads the outcome topics back for newly assigned input partitions (blocking)."""
+
+    def __init__(
+        self,
+        settings: Mapping[str, object],
+        group: str,
+        outcomes: Mapping[str, OutcomeTopics],
+        decoder: AvroDecoder,
+        lookback_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._settings = {
+            **settings,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+        self._outcomes = outcomes
+        self._decoder = decoder
+        self._lookback_s = lookback_s
+        self._clock = clock
+
+    def scan(self, partitions: Iterable[Partition]) -> dict[Partition, set[int]]:
+        """Per partition checked, the offsets past its committed one already answered
+        (empty sets included: what a caller remembered for it is out of date). {} when
+        the check could not be made."""
+        wanted = [p for p in partitions if p[0] in self._outcomes]
+        if not wanted or self._lookback_s <= 0:
+            return {}
+        started = time.monotonic()
+        consumer = Consumer(self._settings)
+        try:
+            found = self._scan(consumer, wanted, started + CHECK_TIMEOUT_S)
+        except (KafkaException, RegistryError, TimeoutError) as exc:
+            log.warning(
+                "could not read back the answers of %d newly assigned partitions (%s); "
+                "inputs answered before a crash may be answered again", len(wanted), exc,
+            )  # fmt: skip
+            return {}
+        finally:
+            consumer.close()
+        repeats = sum(len(offsets) for offsets in found.values())
+        if repeats:
+            log.warning(
+                "%d inputs past the committed offsets of %s were answered before (by a "
+                "worker that stopped before committing): not answered again (checked in "
+                "%.2f s)", repeats, ", ".join(f"{t}[{p}]" for (t, p), o in found.items() if o),
+                time.monotonic() - started,
+            )  # fmt: skip
+        return found
+
+    def _scan(
+        self, consumer: Consumer, wanted: list[Partition], deadline: float
+    ) -> dict[Partition, set[int]]:
+        committed = self._uncommitted_from(consumer, wanted)
+        found: dict[Partition, set[int]] = {p: set() for p in wanted}
+        if not committed:
+            return found
+        first_ms = self._first_timestamps_ms(consumer, committed, deadline)
+        since_ms = max(
+            min(first_ms.values()) - CLOCK_SKEW_S * 1000,
+            (self._clock() - self._lookback_s) * 1000,
+        )
+
+        def keep(named: tuple[str, int, int] | None) -> None:
+            if named is not None:
+                topic, partition, offset = named
+                start = committed.get((topic, partition))
+                if start is not None and offset >= start:
+                    found[(topic, partition)].add(offset)
+
+        topics = {self._outcomes[topic] for topic, _ in committed}
+        for outcome in topics:
+            _read_since(consumer, outcome.output_topic, since_ms, deadline,
+                        lambda m: keep(input_of_answer(m, self._decoder)))  # fmt: skip
+            _read_since(consumer, outcome.dead_letter_topic, since_ms, deadline,
+                        lambda m: keep(input_of_dead_letter(m)))  # fmt: skip
+        return found
+
+    @staticmethod
+    def _uncommitted_from(consumer: Consumer, wanted: list[Partition]) -> dict[Partition, int]:
+        """The committed offset of each partition that has inputs past it."""
+        asked = [KafkaPartition(topic, partition) for topic, partition in wanted]
+        starts = {}
+        for tp in consumer.committed(asked, timeout=_REQUEST_TIMEOUT_S):
+            low, high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)
+            start = low if tp.offset == OFFSET_INVALID else max(tp.offset, low)
+            if start < high:
+                starts[(tp.topic, tp.partition)] = start
+        return starts
+
+    @staticmethod
+    def _first_timestamps_ms(
+        consumer: Consumer, starts: dict[Partition, int], deadline: float
+    ) -> dict[Partition, int]:
+        """The Kafka timestamp of each partition's first uncommitted input."""
+        consumer.assign([KafkaPartition(t, p, offset) for (t, p), offset in starts.items()])
+        stamps: dict[Partition, int] = {}
+        while len(stamps) < len(starts):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the first uncommitted inputs were not read in time")
+            for message in consumer.consume(len(starts), 0.2):
+                where = (message.topic(), message.partition())
+                if message.error() is None and where not in stamps:
+                    stamps[where] = message.timestamp()[1]
+        consumer.unassign()
+        return stamps
+
+
+def _read_since(
+    consumer: Consumer,
+    topic: str,
+    since_ms: float,
+    deadline: float,
+    handle: Callable[[Message], None],
+) -> None:
+    """Hand every record of `topic` written since `since_ms`, up to the current end."""
+    metadata = consumer.list_topics(topic, timeout=_REQUEST_TIMEOUT_S).topics.get(topic)
+    if metadata is None or metadata.error is not None:
+        return  # not created yet: nothing was written to it
+    asked = [KafkaPartition(topic, p, int(since_ms)) for p in metadata.partitions]
+    stops, starts = {}, []
+    for tp in consumer.offsets_for_times(asked, timeout=_REQUEST_TIMEOUT_S):
+        high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)[1]
+        if 0 <= tp.offset < high:  # -1: nothing written since then
+            stops[tp.partition] = high
+            starts.append(tp)
+    consumer.assign(starts)
+    pending = set(stops)
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{topic} was not read back in time")
+        for message in consumer.consume(1000, 0.2):
+            partition, offset = message.partition(), message.offset()
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF and offset >= stops[partition]:
+                    pending.discard(partition)
+                continue
+            if offset < stops[partition]:
+                handle(message)
+            if offset >= stops[partition] - 1:
+                pending.discard(partition)
+    consumer.unassign()
