@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from infra.errors import BrokerUnavailable
@@ -210,3 +210,35 @@ def unavailable(bootstrap_servers: str, what: str) -> BrokerUnavailable:
         f"Kafka at {bootstrap_servers} {what}; hint: is the broker running? Check "
         "broker.bootstrap_servers in the config (a local broker: `headrace broker start`)"
     )
+
+
+def read_range(
+    consumer: Consumer,
+    topic: str,
+    starts: dict[int, int],
+    stops: dict[int, int],
+    handle: Callable[[Message], None],
+    deadline: float,
+) -> None:
+    """Hand `handle` every record of `topic` from `starts[p]` to below `stops[p]` per
+    partition (a consumer with `enable.partition.eof`). The end of a partition is where
+    Kafka says it is (an end-of-partition event), not its last record read: a topic
+    written in transactions ends with a marker. TimeoutError (naming the partitions
+    left) past `deadline` (monotonic seconds)."""
+    pending = {p for p in starts if stops[p] > starts[p]}
+    consumer.assign([TopicPartition(topic, p, starts[p]) for p in pending])
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{topic!r}: partitions {sorted(pending)} not read to the end")
+        for message in consumer.consume(1000, 0.2):
+            partition, offset = message.partition(), message.offset()
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF and offset >= stops[partition]:
+                    pending.discard(partition)
+                continue
+            if offset < stops[partition]:
+                handle(message)
+            if offset >= stops[partition] - 1:
+                pending.discard(partition)
+    consumer.unassign()

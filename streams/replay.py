@@ -26,9 +26,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message
 from confluent_kafka import TopicPartition as KafkaPartition
 
+from infra.kafka_clients import read_range
 from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError, RegistryError
 
@@ -194,26 +195,9 @@ def _read_since(
     if metadata is None or metadata.error is not None:
         return  # not created yet: nothing was written to it
     asked = [KafkaPartition(topic, p, int(since_ms)) for p in metadata.partitions]
-    stops, starts = {}, []
+    starts, stops = {}, {}
     for tp in consumer.offsets_for_times(asked, timeout=_REQUEST_TIMEOUT_S):
         high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)[1]
         if 0 <= tp.offset < high:  # -1: nothing written since then
-            stops[tp.partition] = high
-            starts.append(tp)
-    consumer.assign(starts)
-    pending = set(stops)
-    while pending:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{topic} was not read back in time")
-        for message in consumer.consume(1000, 0.2):
-            partition, offset = message.partition(), message.offset()
-            error = message.error()
-            if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF and offset >= stops[partition]:
-                    pending.discard(partition)
-                continue
-            if offset < stops[partition]:
-                handle(message)
-            if offset >= stops[partition] - 1:
-                pending.discard(partition)
-    consumer.unassign()
+            starts[tp.partition], stops[tp.partition] = tp.offset, high
+    read_range(consumer, topic, starts, stops, handle, deadline)

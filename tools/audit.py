@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from confluent_kafka import (
     OFFSET_INVALID,
     Consumer,
-    KafkaError,
     KafkaException,
     Message,
     TopicPartition,
 )
 
-from infra.kafka_clients import client_settings, list_topics, unavailable
+from infra.kafka_clients import client_settings, list_topics, read_range, unavailable
 from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError
 from streams.config import HeadraceConfig, PipelineConfig
@@ -266,25 +265,12 @@ def _read(
             low, high = consumer.get_watermark_offsets(where, _REQUEST_TIMEOUT_S)
             starts[partition] = low
             stops[partition] = high if ends is None else min(ends.get(partition, low), high)
-        pending = {p for p in starts if stops[p] > starts[p]}
-        consumer.assign([TopicPartition(topic, p, starts[p]) for p in pending])
-        while pending:
-            if time.monotonic() > deadline:
-                raise AuditTimeout(
-                    f"timed out reading {topic!r}: partitions {sorted(pending)} not read to "
-                    "the end; hint: a large topic needs a longer --timeout"
-                )
-            for message in consumer.consume(1000, 0.5):
-                partition, offset = message.partition(), message.offset()
-                error = message.error()
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF and offset >= stops[partition]:
-                        pending.discard(partition)
-                    continue
-                if offset < stops[partition]:
-                    handle(message)
-                if offset >= stops[partition] - 1:
-                    pending.discard(partition)
+        try:
+            read_range(consumer, topic, starts, stops, handle, deadline)
+        except TimeoutError as exc:
+            raise AuditTimeout(
+                f"timed out reading {exc}; hint: a large topic needs a longer --timeout"
+            ) from exc
     finally:
         consumer.close()
 
