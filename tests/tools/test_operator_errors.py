@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,3 +206,34 @@ def test_a_model_narrower_than_its_metadata_is_refused_at_start(
     done = headrace("worker", "-c", str(deployment.config_file), cwd=tmp_path)
     assert_refused(done, EXIT_USAGE, "pipeline fraud cannot start: model narrow.onnx", expected)
     assert not any("onnxruntime" in line for line in done.lines), done.output
+
+
+def _catches_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]
+    caught = int(mask, 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_worker_stopped_while_it_still_imports_exits_cleanly(unreachable_config, tmp_path):
+    """A SIGTERM in the seconds a worker spends importing (Feast, ONNX Runtime, Faust)
+    is a clean stop, exit 0, not a death by signal (-15)."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "worker", "-c", str(unreachable_config)],
+        cwd=Path(__file__).parents[2], env=environment, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches_sigterm(worker.pid):
+            assert worker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)  # polling the process's state, not synchronising with it
+        maps = Path(f"/proc/{worker.pid}/maps").read_text()
+        assert "onnxruntime" not in maps, "SIGTERM is handled only once the imports are done"
+        worker.send_signal(signal.SIGTERM)
+        output, _ = worker.communicate(timeout=COMMAND_TIMEOUT_S)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, output
