@@ -250,11 +250,12 @@ def test_offsets_for_a_member_the_group_no_longer_has_are_refused_and_written_ag
     finally:
         built.stop()
     assert given[0] == stale and len(given) == 2, "the stale metadata, then the current"
-    # The aborted attempt's records are in the log, never visible to read_committed.
+    # Whatever of the aborted attempt reached the log (all of it, or nothing when the
+    # abort came before the producer sent it) is never visible to read_committed.
     assert sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed")) == [
         b"a", b"b", b"c"]  # fmt: skip
     uncommitted = sorted(m.value() for m in read(bootstrap, topics["out"], "read_uncommitted"))
-    assert uncommitted == [b"a", b"a", b"b", b"b", b"c", b"c"]
+    assert uncommitted in ([b"a", b"b", b"c"], [b"a", b"a", b"b", b"b", b"c", b"c"])
     assert committed(current, topics["in"]) == {0: 1, 1: 2, 2: 3}
 
 
