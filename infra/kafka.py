@@ -19,7 +19,7 @@ from pathlib import Path
 
 from infra.errors import InfraError
 from infra.java import INFRA_DIR, cache_dir, find_java, maven
-from infra.process import ServiceProcess
+from infra.process import LocalService
 
 KAFKA_VERSION = "4.4.0"
 
@@ -107,7 +107,8 @@ def describe_group(
 
 
 @dataclass
-class KafkaBroker:
+class KafkaBroker(LocalService):
+    service = "kafka"
     state_dir: Path
     port: int = 9092
     controller_port: int = 9093
@@ -117,13 +118,9 @@ class KafkaBroker:
     def bootstrap_servers(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def process(self) -> ServiceProcess:
-        return ServiceProcess("kafka", self.state_dir)
-
     def start(self, timeout_s: float = 90.0) -> float:
         """Start and wait until the broker answers metadata; returns the seconds it took."""
-        if self.process.pid() is not None:
+        if self.running():
             return 0.0
         java = find_java(17)
         lib = kafka_jars()
@@ -146,9 +143,6 @@ class KafkaBroker:
         if not (data / "meta.properties").exists():
             self._format(jvm, properties)
         return self.process.launch([*jvm, "kafka.Kafka", str(properties)], self.ready, timeout_s)
-
-    def stop(self) -> bool:
-        return self.process.stop()
 
     def ready(self) -> bool:
         from confluent_kafka.admin import AdminClient

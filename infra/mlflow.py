@@ -5,15 +5,15 @@ from the `mlflow` extra)."""
 from __future__ import annotations
 
 import sys
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.process import ServiceProcess
+from infra.process import LocalService
 
 
 @dataclass
-class MlflowServer:
+class MlflowServer(LocalService):
+    service = "mlflow"
     state_dir: Path
     port: int = 5000
 
@@ -23,8 +23,8 @@ class MlflowServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def process(self) -> ServiceProcess:
-        return ServiceProcess("mlflow", self.state_dir)
+    def health_url(self) -> str:
+        return f"{self.url}/health"
 
     def start(self, timeout_s: float = 120.0) -> float:
         state = self.state_dir.resolve()
@@ -36,13 +36,3 @@ class MlflowServer:
             "--artifacts-destination", str(state / "artifacts"),
         ]  # fmt: skip
         return self.process.launch(command, self.ready, timeout_s, cwd=state)
-
-    def stop(self) -> bool:
-        return self.process.stop()
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
-                return response.status == 200
-        except OSError:
-            return False

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.errors import InfraError
-from infra.process import ServiceProcess
+from infra.process import LocalService
 
 
 @dataclass
-class PrometheusServer:
+class PrometheusServer(LocalService):
+    service = "prometheus"
     state_dir: Path
     port: int = 9090
 
@@ -31,11 +32,8 @@ class PrometheusServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def process(self) -> ServiceProcess:
-        return ServiceProcess("prometheus", self.state_dir)
-
-    def running(self) -> bool:
-        return self.process.pid() is not None
+    def health_url(self) -> str:
+        return f"{self.url}/-/ready"
 
     def start(self, config_file: Path, timeout_s: float = 60.0) -> float:
         """Start on `config_file` unless running; returns the seconds it took."""
@@ -64,13 +62,3 @@ class PrometheusServer:
                 pass
         except OSError as exc:
             raise InfraError(f"prometheus at {self.url} did not reload its config: {exc}") from exc
-
-    def stop(self) -> bool:
-        return self.process.stop()
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as answer:
-                return answer.status == 200
-        except OSError:
-            return False

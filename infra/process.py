@@ -12,8 +12,10 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 from infra.errors import InfraError
 
@@ -96,6 +98,37 @@ class ServiceProcess:
             return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+class LocalService:
+    """What the local services share: a process named `service` in `state_dir`, a
+    stop, and readiness as an HTTP GET of `health_url` answering 200 (a service whose
+    readiness is not HTTP overrides `ready`). Subclasses are dataclasses with a
+    `state_dir` field."""
+
+    service: ClassVar[str]
+    state_dir: Path
+
+    @property
+    def health_url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def process(self) -> ServiceProcess:
+        return ServiceProcess(self.service, self.state_dir)
+
+    def running(self) -> bool:
+        return self.process.pid() is not None
+
+    def stop(self) -> bool:
+        return self.process.stop()
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
 
 
 def _alive(pid: int) -> bool:

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.errors import InfraError
-from infra.process import ServiceProcess
+from infra.process import LocalService
 
 
 @dataclass
-class RedisServer:
+class RedisServer(LocalService):
+    service = "redis"
     state_dir: Path
     port: int = 6379
 
@@ -23,12 +24,8 @@ class RedisServer:
         """As Feast's `online_store.connection_string` wants it."""
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def process(self) -> ServiceProcess:
-        return ServiceProcess("redis", self.state_dir)
-
     def start(self, timeout_s: float = 30.0) -> float:
-        if self.process.pid() is not None:
+        if self.running():
             return 0.0
         binary = shutil.which("redis-server")
         if binary is None:
@@ -46,9 +43,6 @@ class RedisServer:
             "--dir", str(self.state_dir),
         ]  # fmt: skip
         return self.process.launch(command, self.ready, timeout_s)
-
-    def stop(self) -> bool:
-        return self.process.stop()
 
     def ready(self) -> bool:
         import redis

@@ -10,12 +10,11 @@ other schemas, and every record already framed with the old ids then decodes wro
 from __future__ import annotations
 
 import tarfile
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from infra.java import cache_dir, find_java, maven
-from infra.process import ServiceProcess
+from infra.process import LocalService
 
 APICURIO_VERSION = "3.3.3"
 CCOMPAT_PATH = "/apis/ccompat/v7"
@@ -39,7 +38,8 @@ def apicurio_app() -> Path:
 
 
 @dataclass
-class SchemaRegistryServer:
+class SchemaRegistryServer(LocalService):
+    service = "registry"
     state_dir: Path
     port: int = 8081
     management_port: int = 8091
@@ -51,11 +51,11 @@ class SchemaRegistryServer:
         return f"http://127.0.0.1:{self.port}{CCOMPAT_PATH}"
 
     @property
-    def process(self) -> ServiceProcess:
-        return ServiceProcess("registry", self.state_dir)
+    def health_url(self) -> str:
+        return f"{self.url}/subjects"
 
     def start(self, timeout_s: float = 120.0) -> float:
-        if self.process.pid() is not None:
+        if self.running():
             return 0.0
         java = find_java(21)
         app = apicurio_app()
@@ -78,13 +78,3 @@ class SchemaRegistryServer:
             str(app / "quarkus-run.jar"),
         ]
         return self.process.launch(command, self.ready, timeout_s, cwd=app)
-
-    def stop(self) -> bool:
-        return self.process.stop()
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/subjects", timeout=1) as response:
-                return response.status == 200
-        except OSError:
-            return False

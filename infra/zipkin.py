@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.java import cache_dir, find_java, maven
-from infra.process import ServiceProcess
+from infra.process import LocalService
 
 ZIPKIN_VERSION = "3.5.1"
 
@@ -39,7 +39,8 @@ def zipkin_jar() -> Path:
 
 
 @dataclass
-class ZipkinServer:
+class ZipkinServer(LocalService):
+    service = "zipkin"
     state_dir: Path
     port: int = 9411
     heap_mb: int = 256
@@ -54,11 +55,11 @@ class ZipkinServer:
         return f"{self.url}/api/v2/spans"
 
     @property
-    def process(self) -> ServiceProcess:
-        return ServiceProcess("zipkin", self.state_dir)
+    def health_url(self) -> str:
+        return f"{self.url}/health"
 
     def start(self, timeout_s: float = 120.0) -> float:
-        if self.process.pid() is not None:
+        if self.running():
             return 0.0
         command = [
             find_java(17),
@@ -73,16 +74,6 @@ class ZipkinServer:
             "--logging.level.root=WARN",
         ]
         return self.process.launch(command, self.ready, timeout_s)
-
-    def stop(self) -> bool:
-        return self.process.stop()
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
-                return response.status == 200
-        except OSError:
-            return False
 
     def trace(self, trace_id: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """The spans Zipkin holds of one trace (none: an empty list)."""
