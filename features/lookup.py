@@ -63,6 +63,7 @@ class _View:
         self.name = reader.view.name
         self.fields = fields
         self.cache = cache
+        self.columns = [f"{self.name}__{feature}" for feature in reader.features]
         # Bound once: label lookups on the hot path cost more than the increments.
         self.hits = metrics.CACHE_HITS.labels(self.name)
         self.misses = metrics.CACHE_MISSES.labels(self.name)
@@ -192,8 +193,8 @@ class FeatureLookup:
         now_s = self._clock()
         for part in parts:
             rows = part.values_at(now_s)[part.slots]
-            for column, name in enumerate(part.view.reader.features):
-                columns[f"{part.view.name}__{name}"] = rows[:, column]
+            for column, name in enumerate(part.view.columns):
+                columns[name] = rows[:, column]
             for row in np.flatnonzero(np.isnan(rows).any(axis=1)):
                 missing[row].append(part.view.name)
         return FeatureRows(

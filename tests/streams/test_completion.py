@@ -17,6 +17,17 @@ def test_sized_times_scale_from_the_nearest_measured_size():
     assert times.bounds(3.0)(8) == 0.0  # forgotten
 
 
+def test_sized_times_bounds_follow_each_observation_and_each_expiry():
+    times = SizedTimes(window_s=2.0, quantile=0.99)
+    times.observe(8, 0.080, now_s=0.0)
+    assert times.bounds(0.5)(8) == pytest.approx(0.080)
+    times.observe(8, 0.010, now_s=1.0)
+    assert times.bounds(1.5)(8) == pytest.approx(0.080)  # the slow one is still in
+    assert times.bounds(2.5)(8) == pytest.approx(0.010)  # ... and out at 2.0
+    assert times.bounds(2.6)(8) == pytest.approx(0.010)
+    assert times.bounds(3.5)(8) == 0.0
+
+
 def test_recent_times_bound_is_a_high_quantile_of_the_window():
     times = RecentTimes(window_s=2.0, quantile=0.9)
     assert times.bound(now_s=0.0) == 0.0  # nothing measured: optimistic, so it measures
