@@ -12,7 +12,8 @@ limit set breaks it:
   waited the batch's run), above the serving version's by more than
   `max_p99_increase_ms`;
 - errors: the share of the candidate's answers that were not numbers (the answer was
-  taken from the ladder instead) above `max_error_rate`;
+  taken from the ladder instead), or that it failed to give at all (its run raised: the
+  serving version answered those events), above `max_error_rate`;
 - score drift: the candidate's mean score (value, for regression) differs from the
   serving version's by more than `max_score_drift`.
 """
@@ -91,7 +92,7 @@ class VersionMeter:
     recent samples its guardrail reads (a bounded deque: appended on the event loop,
     read on the control thread; a deque's append and copy are atomic, no lock)."""
 
-    __slots__ = ("_errors", "_ok", "_run", "_score_sum", "clock", "samples")
+    __slots__ = ("_errors", "_ok", "_run", "_score_sum", "clock", "failures", "samples")
 
     def __init__(
         self, pipeline: str, version: str, clock: Callable[[], float] = time.monotonic
@@ -102,6 +103,7 @@ class VersionMeter:
         self._score_sum = metrics.MODEL_SCORE_SUM.labels(pipeline, version)
         self.clock = clock
         self.samples: deque[Sample] = deque(maxlen=_SAMPLES)
+        self.failures = 0
 
     def record(self, run_s: float, answers: Sequence[dict[str, Any]]) -> None:
         """A run of `run_s` answered `answers` (each with a score, or a value)."""
@@ -118,6 +120,14 @@ class VersionMeter:
             self._errors.inc(errors)
         self._score_sum.inc(score_sum)
         self.samples.append(Sample(self.clock(), run_s, len(answers), errors, score_sum))
+
+    def failed(self, count: int) -> bool:
+        """A run of `count` answers failed (the version answered none of them): all
+        errors to its guardrail. True the first time, for one log line per version."""
+        self._errors.inc(count)
+        self.samples.append(Sample(self.clock(), 0.0, count, count, 0.0))
+        self.failures += 1
+        return self.failures == 1
 
     def since(self, start_s: float) -> list[Sample]:
         return [sample for sample in list(self.samples) if sample.at_s >= start_s]

@@ -16,6 +16,7 @@ counters move only after that.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from typing import Any
 from features.cache import FeatureCache
 from features.errors import StoreUnavailable
 from features.lookup import FeatureLookup, FeatureRows
+from models.errors import ModelError
 from streams import metrics
 from streams.admit import Admission, Candidate, Estimates, Route
 from streams.config import PipelineConfig
@@ -37,6 +39,8 @@ from streams.publish import Publisher
 from streams.records import Item, OutRecord
 from streams.serving import Serving
 from streams.tracing import NO_BATCH, NO_TRACING, NoTracing, Tracing
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -240,15 +244,19 @@ class Pipeline:
                 item.candidate = True
             if canary:
                 answered = [model.run(items, prepared.rows)] if items else []
-                *ran, prepared.candidate_seconds = await asyncio.gather(
-                    *answered, serving.candidate.run(canary, prepared.rows)
+                *ran, candidate_s = await asyncio.gather(
+                    *answered, self._run_candidate(serving, canary, prepared.rows)
                 )
-                serving.candidate_meter.record(
-                    prepared.candidate_seconds, [item.answer for item in canary]
-                )
+                seconds = ran[0] if ran else 0.0
                 if items:
-                    serving.meter.record(ran[0], [item.answer for item in items])
-                self._answered(prepared, route, [*items, *canary], ran[0] if ran else 0.0)
+                    serving.meter.record(seconds, [item.answer for item in items])
+                if candidate_s is None:  # it failed: the serving version answers its share
+                    again_s = await model.run(canary, prepared.rows)
+                    serving.meter.record(again_s, [item.answer for item in canary])
+                    seconds += again_s
+                else:
+                    prepared.candidate_seconds = candidate_s
+                self._answered(prepared, route, [*items, *canary], seconds)
                 return
         if not items:
             return
@@ -256,6 +264,24 @@ class Pipeline:
         if route is Route.FULL:
             serving.meter.record(seconds, [item.answer for item in items])
         self._answered(prepared, route, items, seconds)
+
+    async def _run_candidate(
+        self, serving: Serving, canary: list[Item], rows: FeatureRows | None
+    ) -> float | None:
+        """The canary's run on its share; None when it failed (its events then go back
+        to the serving model, and the failure counts as errors for its guardrail)."""
+        try:
+            seconds = await serving.candidate.run(canary, rows)
+        except ModelError as exc:
+            for item in canary:
+                item.candidate = False
+            if serving.candidate_meter.failed(len(canary)):
+                log.error("pipeline %s: candidate v%s failed on a batch (its events are "
+                          "answered by the serving version; logged once per version): %s",
+                          self.config.name, serving.candidate.signature.version, exc)  # fmt: skip
+            return None
+        serving.candidate_meter.record(seconds, [item.answer for item in canary])
+        return seconds
 
     def _answered(self, prepared: Prepared, route: Route, items: list[Item], seconds: float):
         if route is Route.FULL:

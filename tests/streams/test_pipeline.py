@@ -12,6 +12,7 @@ import pytest
 
 from features.errors import StoreUnavailable
 from features.lookup import FeatureRows
+from models.errors import ModelError
 from models.signature import Column, ModelOutput, Signature, TensorInput
 from schemas.catalogue import LocalCatalogue, load_schema
 from schemas.codec import AvroDecoder, AvroEncoder
@@ -24,6 +25,7 @@ from streams.encode import AnswerEncoder
 from streams.infer import Model
 from streams.pipeline import Pipeline
 from streams.records import InputRecord
+from streams.serving import Serving
 from tools.deploy import sample_config
 
 NOW_S = 1_800_000_000.0
@@ -32,10 +34,12 @@ FIELDS = [f["name"] for f in load_schema("transaction.avsc")["fields"]]
 
 
 class FakePool:
-    def __init__(self, name: str, features: tuple[str, ...], score: float) -> None:
+    def __init__(
+        self, name: str, features: tuple[str, ...], score: float, version: str = "1"
+    ) -> None:
         columns = tuple(Column(f, 0.0) for f in features)
         output = ModelOutput("binary", "p", False, None, None, 0.5, 3)
-        self.signature = Signature(name, "1", (TensorInput("X", "float32", columns),), output)
+        self.signature = Signature(name, version, (TensorInput("X", "float32", columns),), output)
         self.score = score
         self.rows = 0
         self.warmup_seconds = {1: 0.001}
@@ -46,6 +50,11 @@ class FakePool:
         return self.signature.output.answers(
             np.full((len(matrix), 2), self.score), len(matrix)
         ), 0.001
+
+
+class BrokenPool(FakePool):
+    async def run_timed(self, feeds):
+        raise ModelError("Gather: indices element out of data bounds")
 
 
 class FakeLookup:
@@ -241,3 +250,19 @@ def test_a_non_finite_model_answer_is_never_ok(score):
     built, parts = pipeline(default_score=None, full_score=score)
     (answer,) = run(built, parts, records([0.010]), FAST)
     assert (answer["status"], answer["reason"]) == ("SHED", "non_finite_answer")
+
+
+def test_a_canary_that_fails_to_run_hands_its_events_back_to_the_serving_version():
+    built, parts = pipeline()
+    serving = built.serving.model
+    broken = Model(BrokenPool("full", ("amount", *STORE), 0.5, version="2"), FIELDS, STORE)
+    built.use(Serving(serving, broken, "canary", 100.0))
+    batch = [*records([0.001] * 4), *records([0.001] * 4)]
+
+    answers = run(built, parts, batch, FAST)
+
+    assert [(a["status"], a["model_version"]) for a in answers] == [("OK", "1")] * len(batch)
+    assert parts["full"].rows == len(batch)
+    failures = built.serving.candidate_meter.samples
+    assert [(s.answers, s.errors) for s in failures] == [(len(batch), len(batch))]
+    assert built.serving.candidate_meter.failures == 1
