@@ -87,7 +87,8 @@ def test_a_skipped_mlserver_baseline_says_why(tmp_path):
 
 
 def test_the_capacity_plan_is_the_manifests_arithmetic():
-    # infra/k8s: 4,000/s x 0.1 s budget x 0.5 headroom = lagThreshold 200.
+    # infra/k8s: 1,000/s x 0.1 s budget x 0.5 headroom = lagThreshold 50.
+    assert plan(1_000.0, 1_000.0, 0.1, 0.5) == Plan(1_000.0, 2, 4, 50)
     assert plan(4_000.0, 4_000.0, 0.1, 0.5) == Plan(4_000.0, 2, 4, 200)
     assert plan(4_000.0, 9_000.0, 0.1, 0.5).workers == 5
     assert plan(4_000.0, 10.0, 0.1, 0.5).workers == 1
