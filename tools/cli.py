@@ -707,7 +707,11 @@ def demo(
 )
 @click.option("--max-batch-size", default=64, show_default=True)
 @click.option("--max-wait-ms", default=5.0, show_default=True)
-@click.option("--no-baselines", is_flag=True, help="Only headrace (no naive, Kafka, ONNX).")
+@click.option(
+    "--no-baselines",
+    is_flag=True,
+    help="Only headrace's runtimes among the systems (no naive, Kafka, ONNX, MLServer).",
+)
 @click.option(
     "--system",
     "systems",

@@ -122,7 +122,8 @@ class BenchSettings(BaseModel):
     systems: tuple[Literal["kafka", "headrace", "bare", "naive", "mlserver"], ...] = (
         "kafka", "headrace", "bare", "naive", "mlserver")  # fmt: skip
     """Systems the sweep runs, in this order (raw Kafka first: it also warms the broker);
-    `baselines=False` keeps only headrace (the Faust runtime)."""
+    `baselines=False` keeps only headrace's runtimes among them (`headrace`, the Faust
+    runtime, and `bare`)."""
     mlserver_venv: Path = DEFAULT_VENV
     """MLServer's own environment, built there on first use."""
     mlserver_batch_time_ms: float = Field(2.0, ge=0)
@@ -149,6 +150,12 @@ class BenchSettings(BaseModel):
     state_dir: Path = Path(".headrace/bench")
     bootstrap_servers: str | None = None
     """Reuse a running broker instead of starting a private one."""
+
+    def swept_systems(self) -> tuple[str, ...]:
+        """The systems the sweep runs, in order (without baselines: headrace's runtimes)."""
+        if self.baselines:
+            return self.systems
+        return tuple(s for s in self.systems if s in ("headrace", "bare")) or ("headrace",)
 
     def offered_rates(self) -> list[float]:
         if self.rates:
@@ -253,7 +260,7 @@ class Bench:
                 results[settings.scenario], results["steps"] = run_scenario(self)
                 results["elapsed_s"] = time.time() - started
                 return results
-            systems = settings.systems if settings.baselines else ("headrace",)
+            systems = settings.swept_systems()
             if settings.baselines:
                 results["onnx"] = self._raw_onnx()
             self._warm_broker()

@@ -8,6 +8,7 @@ from collections import Counter
 
 from tools.bench import devices, flame
 from tools.bench.cpu import CpuMeter, cpu_seconds
+from tools.bench.harness import BenchSettings
 
 
 def test_the_cpu_meter_sees_this_process_burn_cpu():
@@ -49,3 +50,10 @@ def test_the_devices_check_reports_cpu_figures_and_whether_cuda_is_usable(sample
         assert "cuda" not in result["latency"][1]
         assert result["routing"] is None
         assert "CUDA is not usable here" in devices.markdown(result)
+
+
+def test_without_baselines_the_sweep_keeps_the_runtimes_asked_for():
+    assert BenchSettings(baselines=False, systems=("bare",)).swept_systems() == ("bare",)
+    assert BenchSettings(baselines=False).swept_systems() == ("headrace", "bare")
+    assert BenchSettings(baselines=False, systems=("kafka",)).swept_systems() == ("headrace",)
+    assert BenchSettings(systems=("kafka", "bare")).swept_systems() == ("kafka", "bare")
