@@ -1,0 +1,194 @@
+"""The floor of Kafka's client cost on a machine: a plain confluent-kafka relay.
+
+The relay consumes each record and produces it again (same key, value and timestamp;
+idempotent producer, `acks=all`, offsets stored on delivery), and does nothing else.
+Its CPU per event is what any Python worker on this machine pays for Kafka alone, and
+its round trip is the latency floor of one more hop. Run it beside a worker to read
+the worker's figures against it, or with other fetch settings to see what they cost:
+
+    python -m tools.bench.relay --bootstrap 127.0.0.1:9092 --rate 100 --seconds 15
+    python -m tools.bench.relay --bootstrap 127.0.0.1:9092 --rate 100 --seconds 15 \\
+        --fetch-min-bytes 1 --fetch-max-wait-ms 500
+
+Prints the relay process's CPU per event, its idle cores, and the round trip's
+percentiles (from each input's intended send time to the moment its copy is read).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import click
+import numpy as np
+from confluent_kafka import Consumer, Producer
+
+from infra.kafka_clients import client_settings
+from infra.topics import delete_topics, ensure_topics
+from tools.bench.cpu import cpu_seconds
+from tools.loadgen import send_at_rate
+
+STOP = b"relay-stop"
+
+
+@dataclass(frozen=True)
+class RelayResult:
+    cpu_us_per_event: float
+    idle_cores: float
+    p50_ms: float
+    p99_ms: float
+    answered: int
+    sent: int
+
+    def line(self) -> str:
+        return (
+            f"{self.cpu_us_per_event:.0f} us CPU per event, idle {self.idle_cores:.3f} "
+            f"cores; round trip p50 {self.p50_ms:.1f} ms, p99 {self.p99_ms:.1f} ms "
+            f"({self.answered} of {self.sent} read back)"
+        )
+
+
+def serve(bootstrap: str, source: str, sink: str, fetch_min_bytes: int, fetch_wait_ms: int):
+    """The relay itself (its own process): until a record whose value is `STOP`."""
+    consumer = Consumer({
+        **client_settings(bootstrap, "relay-consumer"),
+        "group.id": source, "auto.offset.reset": "earliest", "enable.auto.offset.store": False,
+        "fetch.min.bytes": fetch_min_bytes, "fetch.wait.max.ms": fetch_wait_ms,
+    })  # fmt: skip
+    producer = Producer({**client_settings(bootstrap, "relay-producer"), "linger.ms": 1,
+                         "enable.idempotence": True, "acks": "all"})  # fmt: skip
+    consumer.subscribe([source])
+    try:
+        while True:
+            message = consumer.poll(0.05)
+            if message is None or message.error():
+                continue
+            if message.value() == STOP:
+                return
+
+            def stored(error, _record, message=message) -> None:
+                if error is None:
+                    consumer.store_offsets(message)
+
+            producer.produce(sink, message.value(), message.key(),
+                             timestamp=message.timestamp()[1], on_delivery=stored)  # fmt: skip
+            producer.poll(0)
+    finally:
+        producer.flush(10)
+        consumer.close()
+
+
+def measure(
+    bootstrap: str,
+    rate: float,
+    seconds: float,
+    fetch_min_bytes: int = 16_384,
+    fetch_wait_ms: int = 5,
+    idle_s: float = 5.0,
+) -> RelayResult:
+    """Start a relay process on new topics, measure it idle then at `rate`, stop it."""
+    tag = uuid.uuid4().hex[:8]
+    source, sink = f"relay-in-{tag}", f"relay-out-{tag}"
+    ensure_topics(bootstrap, {source: 3, sink: 3})
+    relay = subprocess.Popen([
+        sys.executable, "-m", "tools.bench.relay", "--serve", "--bootstrap", bootstrap,
+        "--source", source, "--sink", sink, "--fetch-min-bytes", str(fetch_min_bytes),
+        "--fetch-max-wait-ms", str(fetch_wait_ms),
+    ])  # fmt: skip
+    reader = _Reader(bootstrap, sink)
+    producer = Producer({**client_settings(bootstrap, "relay-load"), "linger.ms": 1})
+    try:
+        # Until the relay answers, it is still starting or joining its group.
+        send_at_rate(producer, source, _records(b"warm-up"), 20, 1.0)
+        if not reader.wait_for(1, 60):
+            raise RuntimeError("the relay answered nothing within 60 s")
+        time.sleep(2.0)  # the rest of the warm-up through
+        idle_before = cpu_seconds(relay.pid)
+        time.sleep(idle_s)
+        idle_cores = (cpu_seconds(relay.pid) - idle_before) / idle_s
+        reader.reset()
+        before = cpu_seconds(relay.pid)
+        report = send_at_rate(producer, source, _records(b"x" * 200), rate, seconds)
+        reader.wait_for(report.sent, 30)
+        cpu_s = cpu_seconds(relay.pid) - before
+        for partition in range(3):
+            producer.produce(source, STOP, partition=partition)
+        producer.flush(10)
+        relay.wait(30)
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+        reader.stop()
+        delete_topics(bootstrap, [source, sink])
+    latencies = np.array(reader.latencies_ms or [np.nan])
+    p50, p99 = np.percentile(latencies, [50, 99])
+    return RelayResult(cpu_s / report.sent * 1e6, idle_cores, float(p50), float(p99),
+                       len(reader.latencies_ms), report.sent)  # fmt: skip
+
+
+def _records(value: bytes) -> Iterator[tuple[bytes, bytes]]:
+    number = 0
+    while True:
+        yield str(number).encode(), value
+        number += 1
+
+
+class _Reader:
+    """Reads the relay's output on a thread; latency from each record's timestamp."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._consumer = Consumer({**client_settings(bootstrap, "relay-reader"),
+                                   "group.id": topic, "auto.offset.reset": "earliest"})  # fmt: skip
+        self._consumer.subscribe([topic])
+        self.latencies_ms: list[float] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="relay-reader", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stopping.is_set():
+            message = self._consumer.poll(0.1)
+            if message is not None and not message.error():
+                self.latencies_ms.append(time.time() * 1000 - message.timestamp()[1])
+        self._consumer.close()
+
+    def reset(self) -> None:
+        self.latencies_ms = []
+
+    def wait_for(self, count: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while len(self.latencies_ms) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(self.latencies_ms) >= count
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(10)
+
+
+@click.command()
+@click.option("--bootstrap", required=True, help="A running broker.")
+@click.option("--rate", type=float, default=100.0, show_default=True)
+@click.option("--seconds", type=float, default=15.0, show_default=True)
+@click.option("--fetch-min-bytes", type=int, default=16_384, show_default=True)
+@click.option("--fetch-max-wait-ms", type=int, default=5, show_default=True)
+@click.option("--serve", "serve_relay", is_flag=True, hidden=True)
+@click.option("--source", hidden=True)
+@click.option("--sink", hidden=True)
+def main(bootstrap, rate, seconds, fetch_min_bytes, fetch_max_wait_ms, serve_relay, source, sink):
+    """Measure a plain confluent-kafka relay: the Kafka floor of a worker's figures."""
+    if serve_relay:
+        serve(bootstrap, source, sink, fetch_min_bytes, fetch_max_wait_ms)
+        return
+    result = measure(bootstrap, rate, seconds, fetch_min_bytes, fetch_max_wait_ms)
+    click.echo(f"relay at {rate:g}/s (fetch.min.bytes {fetch_min_bytes}, "
+               f"fetch.wait.max.ms {fetch_max_wait_ms}): {result.line()}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
