@@ -16,21 +16,21 @@ percentiles (from each input's intended send time to the moment its copy is read
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import click
-import numpy as np
 from confluent_kafka import Consumer, Producer
 
 from infra.kafka_clients import client_settings
 from infra.topics import delete_topics, ensure_topics
 from tools.bench.cpu import cpu_seconds
+from tools.bench.latency import LatencyLog, LatencySummary, raw_reader
 from tools.loadgen import send_at_rate
 
 STOP = b"relay-stop"
@@ -100,21 +100,21 @@ def measure(
         "--source", source, "--sink", sink, "--fetch-min-bytes", str(fetch_min_bytes),
         "--fetch-max-wait-ms", str(fetch_wait_ms),
     ])  # fmt: skip
-    reader = _Reader(bootstrap, sink)
+    log = LatencyLog()
+    reader = raw_reader(bootstrap, [sink], log).start()
     producer = Producer({**client_settings(bootstrap, "relay-load"), "linger.ms": 1})
     try:
         # Until the relay answers, it is still starting or joining its group.
-        send_at_rate(producer, source, _records(b"warm-up"), 20, 1.0)
-        if not reader.wait_for(1, 60):
+        warm_up = send_at_rate(producer, source, _records(b"warm-up"), 20, 1.0)
+        if reader.wait_for(1, 60) < 1:
             raise RuntimeError("the relay answered nothing within 60 s")
-        time.sleep(2.0)  # the rest of the warm-up through
+        reader.wait_for(warm_up.sent, 10)
         idle_before = cpu_seconds(relay.pid)
         time.sleep(idle_s)
         idle_cores = (cpu_seconds(relay.pid) - idle_before) / idle_s
-        reader.reset()
         before = cpu_seconds(relay.pid)
         report = send_at_rate(producer, source, _records(b"x" * 200), rate, seconds)
-        reader.wait_for(report.sent, 30)
+        reader.wait_for(warm_up.sent + report.sent, 30)
         cpu_s = cpu_seconds(relay.pid) - before
         for partition in range(3):
             producer.produce(source, STOP, partition=partition)
@@ -125,10 +125,11 @@ def measure(
             relay.kill()
         reader.stop()
         delete_topics(bootstrap, [source, sink])
-    latencies = np.array(reader.latencies_ms or [np.nan])
-    p50, p99 = np.percentile(latencies, [50, 99])
-    return RelayResult(cpu_s / report.sent * 1e6, idle_cores, float(p50), float(p99),
-                       len(reader.latencies_ms), report.sent)  # fmt: skip
+    started_ms = math.floor(report.started_s * 1000)  # Kafka stamps whole milliseconds
+    latencies_us, _ = log.window(started_ms, started_ms + report.elapsed_s * 1000 + 1)
+    summary = LatencySummary.of(latencies_us)
+    return RelayResult(cpu_s / report.sent * 1e6, idle_cores, summary.p50_ms, summary.p99_ms,
+                       summary.count, report.sent)  # fmt: skip
 
 
 def _records(value: bytes) -> Iterator[tuple[bytes, bytes]]:
@@ -136,39 +137,6 @@ def _records(value: bytes) -> Iterator[tuple[bytes, bytes]]:
     while True:
         yield str(number).encode(), value
         number += 1
-
-
-class _Reader:
-    """Reads the relay's output on a thread; latency from each record's timestamp."""
-
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self._consumer = Consumer({**client_settings(bootstrap, "relay-reader"),
-                                   "group.id": topic, "auto.offset.reset": "earliest"})  # fmt: skip
-        self._consumer.subscribe([topic])
-        self.latencies_ms: list[float] = []
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="relay-reader", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while not self._stopping.is_set():
-            message = self._consumer.poll(0.1)
-            if message is not None and not message.error():
-                self.latencies_ms.append(time.time() * 1000 - message.timestamp()[1])
-        self._consumer.close()
-
-    def reset(self) -> None:
-        self.latencies_ms = []
-
-    def wait_for(self, count: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while len(self.latencies_ms) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return len(self.latencies_ms) >= count
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._thread.join(10)
 
 
 @click.command()
