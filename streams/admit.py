@@ -254,11 +254,6 @@ class RecentTimes:
         _, seconds = self._samples.popleft()
         del self._sorted[bisect_left(self._sorted, seconds)]
 
-    @property
-    def changes_at_s(self) -> float:
-        """When the oldest sample leaves the window (the bound may change then)."""
-        return self._samples[0][0] + self.window_s if self._samples else math.inf
-
 
 class SizedTimes:
     """`RecentTimes` per batch-size bucket (powers of two). A size without recent
@@ -268,10 +263,6 @@ class SizedTimes:
         self._window_s = window_s
         self._quantile = quantile
         self._buckets: dict[int, RecentTimes] = {}
-        # The last bounds and until when they hold: asked several times per batch, they
-        # only change when a duration is observed or the oldest one leaves its window.
-        self._bounds: Callable[[int], float] | None = None
-        self._bounds_until_s = -math.inf
 
     def observe(self, size: int, seconds: float, now_s: float) -> None:
         bucket = size_bucket(size)
@@ -279,20 +270,13 @@ class SizedTimes:
         if times is None:
             times = self._buckets[bucket] = RecentTimes(self._window_s, self._quantile)
         times.observe(seconds, now_s)
-        self._bounds = None
 
     def bounds(self, now_s: float) -> Callable[[int], float]:
         """Seconds for a batch of a given size, as of `now_s` (0 when nothing was
         measured lately). Computed once here: admission asks it for every event."""
-        if self._bounds is not None and now_s < self._bounds_until_s:
-            return self._bounds
         measured = {b: t.bound(now_s) for b, t in self._buckets.items()}
         measured = {b: seconds for b, seconds in measured.items() if seconds > 0}
-        self._bounds = lambda size: scaled_from_nearest(measured, size)
-        self._bounds_until_s = min(
-            (t.changes_at_s for t in self._buckets.values()), default=math.inf
-        )
-        return self._bounds
+        return lambda size: scaled_from_nearest(measured, size)
 
 
 class CompletionModel:
