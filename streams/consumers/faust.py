@@ -45,6 +45,20 @@ def serve(
 ) -> None:
     """Run a Faust worker until SIGTERM or SIGINT (Faust handles both, stopping within
     `drain_timeout_s`)."""
+    # Faust insists on a data directory, which its in-memory tables leave empty but for a
+    # version stamp: one per worker start, removed when it stops (kept only by a kill -9).
+    with tempfile.TemporaryDirectory(prefix="headrace-faust-", ignore_cleanup_errors=True) as data:
+        _serve(config, make_runner, health, log_level, answered_before, data)
+
+
+def _serve(
+    config: HeadraceConfig,
+    make_runner: MakeRunner,
+    health: Health,
+    log_level: str,
+    answered_before: AnsweredBefore | None,
+    datadir: str,
+) -> None:
     app = FeedApp(
         config.app_id,
         fetch=(config.broker.fetch_max_wait_ms, config.broker.fetch_min_bytes),
@@ -54,7 +68,7 @@ def serve(
         consumer_max_fetch_size=config.broker.max_partition_fetch_bytes,
         broker=f"kafka://{config.broker.bootstrap_servers}",
         store="memory://",
-        datadir=tempfile.mkdtemp(prefix="headrace-faust-"),
+        datadir=datadir,
         web_enabled=False,
         topic_disable_leader=True,
         topic_allow_declare=False,

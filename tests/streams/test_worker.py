@@ -233,7 +233,7 @@ def test_predictions_from_redis_features_match_the_offline_computation(
 
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
 def test_restart_resumes_from_committed_offsets_without_repeats(
-    deploy, kafka, sample_assets, runtime
+    deploy, kafka, sample_assets, runtime, tmp_path, monkeypatch
 ):
     deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
     spec = deployment.spec
@@ -241,10 +241,18 @@ def test_restart_resumes_from_committed_offsets_without_repeats(
         kafka.bootstrap_servers, spec.input_topic, sample_assets.world, 200, seed=5, prefix="first"
     )
     collector = collector_for(deployment)
+    # The worker's own temporary directory, to see what a run leaves behind in it.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    left_behind = lambda: sorted(path.name for path in scratch.glob("headrace-*"))  # noqa: E731
     try:
         with deployment.worker():
             assert len(collector.wait_for(200, 120)) == 200, deployment.log_tail()
-        # A clean stop commits everything it answered.
+            if runtime == "faust":
+                assert left_behind(), "Faust's data directory is not under TMPDIR"
+        # A clean stop commits everything it answered, and removes its data directory.
+        assert left_behind() == []
         assert (
             committed_lag(kafka.bootstrap_servers, deployment.config.app_id, spec.input_topic, 3)
             == 0
