@@ -722,12 +722,13 @@ def demo(
 )
 @click.option(
     "--scenario",
-    type=click.Choice(["sweep", "overload", "capacity", "scaleout", "devices"]),
+    type=click.Choice(["sweep", "overload", "capacity", "scaleout", "swap", "devices"]),
     default="sweep",
     show_default=True,
     help="sweep: headrace and baselines over rising rates; overload: 0.5x to 4x capacity; "
     "capacity: one worker's sustainable rate and the workers, partitions and KEDA lag "
     "threshold a target rate needs; scaleout: 1, 2 and 3 workers of one group; "
+    "swap: p99 across a model swap, and the sustainable rate with a shadow candidate; "
     "devices: ONNX Runtime on CPU and CUDA (no Kafka; reports CUDA unavailable on CPU-only).",
 )
 @click.option(
@@ -735,7 +736,7 @@ def demo(
     "runtimes",
     multiple=True,
     type=click.Choice(["bare", "faust"]),
-    help="Runtimes of the overload, capacity and scaleout scenarios (repeatable; default "
+    help="Runtimes of the overload, capacity, scaleout and swap scenarios (repeatable; default "
     "both, bare only for scaleout).",
 )
 @click.option(

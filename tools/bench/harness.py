@@ -14,7 +14,8 @@ highest rate of answers in full over a doubling ramp), then offers 0.5x, 1x, 2x 
 4x that capacity and reports counts and percentiles per outcome status.
 
 The capacity and scale-out scenarios (`tools/bench/scale.py`) run the same sweep on one
-worker, and on 1, 2 and 3 workers of one group.
+worker, and on 1, 2 and 3 workers of one group. The swap scenario (`tools/bench/swap.py`)
+measures p99 across a model swap and the sustainable rate with a shadow candidate.
 """
 
 from __future__ import annotations
@@ -130,9 +131,9 @@ class BenchSettings(BaseModel):
     """MLServer's adaptive batching window (its batch size cap is `max_batch_size`)."""
     mlserver_freeze_heap: bool = True
     """MLServer's runtime freezes its start-up heap once loaded, as headrace's workers do."""
-    scenario: Literal["sweep", "overload", "capacity", "scaleout"] = "sweep"
+    scenario: Literal["sweep", "overload", "capacity", "scaleout", "swap"] = "sweep"
     runtimes: tuple[Literal["faust", "bare"], ...] = ("bare", "faust")
-    """Runtimes the overload, capacity and scale-out scenarios run."""
+    """Runtimes the overload, capacity, scale-out and swap scenarios run."""
     target_per_s: float | None = Field(None, gt=0)
     """The capacity scenario plans for this input rate (None: a few multiples of one
     worker's rate)."""
@@ -252,10 +253,11 @@ class Bench:
                 results["onnx"] = []
                 results["elapsed_s"] = time.time() - started
                 return results
-            if settings.scenario in ("capacity", "scaleout"):
-                from tools.bench import scale  # it builds on this module
+            if settings.scenario in ("capacity", "scaleout", "swap"):
+                from tools.bench import scale, swap  # they build on this module
 
-                run_scenario = scale.capacity if settings.scenario == "capacity" else scale.scaleout
+                run_scenario = {"capacity": scale.capacity, "scaleout": scale.scaleout,
+                                "swap": swap.swap}[settings.scenario]  # fmt: skip
                 self._warm_broker()
                 results[settings.scenario], results["steps"] = run_scenario(self)
                 results["elapsed_s"] = time.time() - started
@@ -562,10 +564,11 @@ class Bench:
         model_path: Path | None = None,
         latency_budget_ms: float = SWEEP_WORKER_BUDGET_MS,
         workers: int = 1,
+        amend: Callable[[dict], None] | None = None,
     ):
         """A worker (or the naive loop) on new topics, answers read, warmed up; with
         `workers` > 1 that many workers of one group (only the first serves metrics),
-        warm-up once all hold partitions."""
+        warm-up once all hold partitions. `amend` edits the config before it is written."""
         suffix = f"-bench-{name}-{self.run_id}"
         port = free_port()
         config = sample_config(
@@ -582,6 +585,8 @@ class Bench:
             delivery=self.settings.delivery if worker else "at_least_once",
             tracing=self._tracing() if worker else None,
         )
+        if amend is not None:
+            amend(config)
         config_file = self.state_dir / f"{name}.yaml"
         parsed = write_config(config, config_file)
         spec = parsed.pipelines[0]
@@ -680,8 +685,11 @@ class Bench:
         }
         return steps
 
-    def _run_step(self, system: SystemUnderTest, rate: float, phase: str) -> StepResult:
-        step = self._step(system, rate)
+    def _run_step(
+        self, system: SystemUnderTest, rate: float, phase: str,
+        at_window: Callable[[], None] | None = None,
+    ) -> StepResult:  # fmt: skip
+        step = self._step(system, rate, at_window)
         step.phase = phase
         verdict = "ok" if step.within_budget else "over budget"
         cpu = step.cpu_us_per_event.get("worker")
@@ -693,7 +701,11 @@ class Bench:
         )
         return step
 
-    def _step(self, system: SystemUnderTest, rate: float) -> StepResult:
+    def _step(
+        self, system: SystemUnderTest, rate: float, at_window: Callable[[], None] | None = None
+    ) -> StepResult:
+        """One step at `rate`: warm-up, measured window, drain. `at_window` runs (on a
+        thread) as the measured window opens: something the window must include."""
         settings = self.settings
         # Start from a caught-up system: a backlog left by an overloaded step would
         # count against this one.
@@ -711,6 +723,9 @@ class Bench:
         )
         meter = CpuMeter({**workers, "broker": self.broker_pid, "load generator": os.getpid()})
         cpu_before = meter.snapshot()
+        action = threading.Timer(settings.warmup_s, at_window) if at_window else None
+        if action is not None:
+            action.start()
         report = send_at_rate(
             self.producer,
             system.input_topic,
@@ -722,6 +737,8 @@ class Bench:
             ),
         )
         system.sent += report.sent
+        if action is not None:
+            action.join()
         system.reader.wait_for(system.sent, settings.drain_timeout_s)
         cpu_after = meter.snapshot()
         profile = stage_profile(before, scrape(system.profile_port)) if before is not None else {}

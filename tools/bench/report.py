@@ -10,7 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 from infra.kafka import KAFKA_VERSION
-from tools.bench import flame, scale
+from tools.bench import flame, scale, swap
 from tools.bench.harness import OVERLOAD_MULTIPLES, StepResult
 
 PACKAGES = ("headrace", "faust-streaming", "aiokafka", "confluent-kafka", "fastavro",
@@ -270,6 +270,7 @@ def write_reports(results: dict, out_dir: Path) -> dict[str, Path]:
         "overload": results.get("overload"),
         "capacity": results.get("capacity"),
         "scaleout": results.get("scaleout"),
+        "swap": results.get("swap"),
     }
     paths = {
         "json": out_dir / "report.json",
@@ -314,6 +315,8 @@ def _markdown(doc: dict) -> str:
         return "\n".join(lines + _overload_markdown(doc)) + "\n"
     if doc["capacity"] or doc["scaleout"]:
         return "\n".join(lines + scale.markdown(doc) + _steps_markdown(doc)) + "\n"
+    if doc["swap"]:
+        return "\n".join(lines + swap.markdown(doc["swap"]) + _steps_markdown(doc)) + "\n"
     lines += ["## Verdicts", "", *_target_lines(v, doc["systems"])]
     if v["throughput_ratio_vs_naive"]:
         lines.append(
@@ -474,7 +477,9 @@ def _plot(steps: list[StepResult], budget_ms: float, path: Path) -> None:
         ("mlserver", "tab:purple"),
         ("kafka", "tab:gray"),
     )
-    for system, colour in systems:
+    # Scenarios name their systems (e.g. swap-bare, swap-bare-shadow): default colours.
+    others = dict.fromkeys(s.system for s in steps if s.system not in dict(systems))
+    for system, colour in (*systems, *((name, None) for name in others)):
         ours = [s for s in steps if s.system == system and s.latency.count]
         if not ours:
             continue
