@@ -78,10 +78,15 @@ class ModelSwitcher:
         versions load and warm up, and while retired models finish their batches."""
         with self._lock:
             slot = self._slots[desired.pipeline]
+            started = slot.desired is None  # nothing applied yet: it serves its config's model
             slot.desired = desired
             old = slot.pipeline.serving
             serving = self._try(slot, desired.serving)
             refused = serving is None
+            if serving is None and started and desired.previous != desired.serving:
+                # The group kept serving what the refused deploy replaced: a worker started
+                # since joins it, rather than answer with its config's model.
+                serving = self._try(slot, desired.previous)
             if serving is None:  # traffic stays with the serving model
                 serving = old.model
             # A candidate that cannot serve is refused alone: the serving part holds.

@@ -123,6 +123,29 @@ def test_a_producers_trace_goes_on_through_each_stage_to_the_consumer(
     for span in spans:
         if span["localEndpoint"]["serviceName"] == "test-consumer":
             assert by_id[span["parentId"]] in batches  # the consumer continues a batch span
+    print(f"\n{runtime}: the trace as Zipkin holds it\n{outline(spans)}")
+
+
+def outline(spans: list[dict]) -> str:
+    """Zipkin's spans as a tree: service, name, start after the root and duration."""
+    children: dict[str | None, list[dict]] = {}
+    for span in sorted(spans, key=lambda span: span["timestamp"]):
+        children.setdefault(span.get("parentId"), []).append(span)
+    start = min(span["timestamp"] for span in spans)
+    lines = []
+
+    def walk(parent: str | None, depth: int) -> None:
+        for span in children.get(parent, []):
+            after_ms = (span["timestamp"] - start) / 1000
+            took_ms = span.get("duration", 0) / 1000
+            service = span["localEndpoint"]["serviceName"]
+            lines.append(
+                f"{'  ' * depth}{service}: {span['name']} +{after_ms:.1f} ms, {took_ms:.2f} ms"
+            )
+            walk(span["id"], depth + 1)
+
+    walk(None, 0)
+    return "\n".join(lines)
 
 
 def item(trace_parent: str | None, offset: int) -> Item:

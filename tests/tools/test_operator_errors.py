@@ -172,6 +172,23 @@ def test_a_taken_metrics_port_is_refused_at_start(deploy, tmp_path):
     assert len(done.lines) == 1, done.output  # refused before any Kafka client started
 
 
+@pytest.mark.integration
+def test_a_missing_input_topic_is_named_and_refused_at_start(deploy, tmp_path):
+    deployment = deploy()
+    raw = yaml.safe_load(deployment.config_file.read_text())
+    missing = f"{deployment.spec.input_topic}-never-created"
+    raw["pipelines"][0]["input_topic"] = missing
+    deployment.config_file.write_text(yaml.safe_dump(raw))
+    done = headrace("worker", "-c", str(deployment.config_file), cwd=tmp_path)
+    assert_refused(
+        done,
+        EXIT_USAGE,
+        f"pipeline {deployment.spec.name}: topic '{missing}' does not exist",
+        "`headrace topics create -c CONFIG`",
+    )
+    assert len(done.lines) == 1, done.output  # refused before any model or store loaded
+
+
 def _narrowed(model: Path, out: Path, symbolic_width: bool) -> Path:
     """The sample model with one feature name fewer in its metadata than its graph takes;
     with `symbolic_width`, a graph that does not declare its width either."""
