@@ -14,12 +14,13 @@ import yaml
 from confluent_kafka import Producer
 
 from infra.ports import free_port
+from infra.topics import delete_topics
 from models.registry import FolderRegistry
 from models.synthetic import write_heavy_model
 from models.train_intent import intent_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
-from streams.control import desired_states, worker_reports
+from streams.control import desired_states, ensure_control_topics, worker_reports, write_desired
 from streams.guardrail import Guardrail
 from tests.conftest import Deployment
 from tests.helpers import PATIENT_BUDGET_MS, produce_events, scrape, total, wait_until
@@ -56,8 +57,6 @@ def lifecycle(deploy, sample_assets, tmp_path):
     }
     config = write_config(raw, deployment.config_file)
     yield Deployment(config, deployment.config_file, deployment.log_file)
-    from infra.topics import delete_topics
-
     control = raw["control"]
     delete_topics(config.broker.bootstrap_servers, [control["topic"], control["status_topic"]])
 
@@ -130,15 +129,24 @@ def test_deploy_switches_once_per_partition_refuses_broken_versions_and_persists
     assert report.exact, report.as_dict()
 
     # A worker started after the deploys answers with the version the group serves from
-    # the first: v3 is desired, but refused, so v2, which that deploy replaced.
+    # the first: v3 is desired, but refused, so v2, which that deploy replaced. Its control
+    # topic holds only the latest desired state, as compaction leaves it (replaying the
+    # whole history, a worker would meet v2's own deploy on its way).
+    raw = yaml.safe_load(lifecycle.config_file.read_text())
+    raw["control"]["topic"] = f"{config.control.topic}-compacted"
+    compacted_file = lifecycle.config_file.with_name("compacted.yaml")
+    compacted = write_config(raw, compacted_file)
+    ensure_control_topics(compacted)
+    write_desired(compacted, rollout.current(config, spec))
     later = collector_for(lifecycle)
     produce_events(bootstrap, spec.input_topic, sample_assets.world, 30, seed=22, prefix="late")
-    with lifecycle.worker():
+    with Deployment(compacted, compacted_file, lifecycle.log_file).worker():
         # Everything up to now, then the 30 new ones.
         fresh = [a for a in later.wait_for(rate * seconds + 30, 90).predictions
                  if a["event_id"].startswith("late")]  # fmt: skip
     assert len(fresh) == 30 and {a["model_version"] for a in fresh} == {"2"}
     assert rollout.rollback(config, spec).serving == "2"  # v3's deploy undone
+    delete_topics(bootstrap, [compacted.control.topic])
 
 
 def test_canary_is_sticky_per_key_and_shadow_writes_one_answer_per_input(lifecycle, sample_assets):
