@@ -195,7 +195,10 @@ class RegistryCatalogue:
         from confluent_kafka.schema_registry import SchemaRegistryClient
 
         self.url = url
-        self._client = SchemaRegistryClient({"url": url, "timeout": timeout_s})
+        # One HTTP request per call, so `timeout_s` bounds it: the client's own retries
+        # (3 by default, with backoff) made a registry that never answers cost over 4x it
+        # per lookup. The worker retries a failed lookup itself, with backoff.
+        self._client = SchemaRegistryClient({"url": url, "timeout": timeout_s, "max.retries": 0})
         self._known = KnownSchemas(known_schemas_file)
 
     def schema_for_id(self, schema_id: int) -> dict[str, Any]:

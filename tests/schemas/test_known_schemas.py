@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 
 from infra.ports import free_port
@@ -36,3 +39,17 @@ def test_without_a_file_nothing_is_kept(registry, tmp_path):
     down = RegistryCatalogue(f"http://127.0.0.1:{free_port()}/apis/ccompat/v7", 2.0, None)
     with pytest.raises(RegistryError):
         down.id_for("kept-nowhere-value", EVENT)
+
+
+def test_a_registry_that_never_answers_fails_a_lookup_within_its_timeout(tmp_path):
+    """`registry.timeout_s` bounds one call: the client's own retries would multiply it
+    (the worker retries a failed lookup itself, with backoff, other partitions going on)."""
+    with socket.socket() as hung:  # accepts connections (the kernel's backlog), never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}/apis/ccompat/v7"
+        catalogue = RegistryCatalogue(url, 1.0, tmp_path / "known-schemas.json")
+        started = time.monotonic()
+        with pytest.raises(RegistryError, match="unreachable"):
+            catalogue.schema_for_id(12345)
+        assert time.monotonic() - started < 2.5
