@@ -7,7 +7,7 @@ work shows) and which follows a control topic of its own:
 1. the sweep, with no candidate: its sustainable rate;
 2. swap pairs at one rate (the first of `--rates`, else half the sustainable rate): a
    step with no swap, then a step whose measured window opens with a deploy of the other
-   version (2, then 1, ...), `repeats` times. The worker loads and warms the new version
+   version (2, then 1, ...), SWAP_PAIRS times. The worker loads and warms the new version
    on a thread and switches between batches, so what the swap step's p99 adds over its
    pair's is that work competing with serving. Target: the swap steps' p99 within 10%
    of the steps without;
@@ -33,6 +33,9 @@ from tools.deploy import stop_worker
 # The swap steps' p99 may exceed the steps' without a swap by this share (the issue's).
 SWAP_P99_TOLERANCE = 0.10
 SWAP_MIN_PER_S = 50.0
+# Pairs of steps (without, with a swap): one 5 s window's p99 moves by a third between
+# runs on a shared machine, and the verdict compares medians.
+SWAP_PAIRS = 4
 MODEL_NAME = "fraud-mlp"  # the sample model's name in the registry and the answers
 # A log line's time, as both runtimes write it (Faust's lines in brackets).
 _STAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}")
@@ -73,8 +76,8 @@ def _runtime(bench: Bench, runtime: str) -> tuple[dict, list[StepResult]]:
         sustainable = bench.systems[name]["sustainable_per_s"]
         rate = settings.rates[0] if settings.rates else max(SWAP_MIN_PER_S, sustainable / 2)
         pairs = []
-        for repeat in range(settings.repeats):
-            version = "2" if repeat % 2 == 0 else "1"
+        for pair in range(SWAP_PAIRS):
+            version = "2" if pair % 2 == 0 else "1"
             plain = bench._run_step(system, rate, "no swap")
             deployed_at: list[float] = []
 
