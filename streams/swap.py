@@ -113,7 +113,7 @@ class ModelSwitcher:
     def _try(self, slot: _Slot, version: str | None) -> Model | None:
         """The loaded, validated, warm model of `version`; None when it is refused."""
         try:
-            return self._load(slot, version)
+            model = self._load(slot, version)
         except HeadraceError as exc:
             slot.refused[str(version)] = str(exc)
             metrics.MODEL_CHANGES.labels(slot.pipeline.config.name, "refused").inc()
@@ -122,6 +122,8 @@ class ModelSwitcher:
                 slot.pipeline.config.name, version, _describe(slot.pipeline.serving), exc,
             )  # fmt: skip
             return None
+        slot.refused.pop(str(version), None)  # it loads now (e.g. the registry was mended)
+        return model
 
     def _load(self, slot: _Slot, version: str | None) -> Model:
         if version in slot.versions:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
@@ -77,3 +82,37 @@ def scrape(port: int) -> list[Sample]:
 def total(samples: list[Sample], name: str, **labels: str) -> float:
     """The sum of the samples named `name` whose labels include `labels`."""
     return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+# Seconds a command may take: its imports (Feast, ONNX Runtime) are slow on a busy machine.
+COMMAND_TIMEOUT_S = 180
+
+
+@dataclass
+class Finished:
+    code: int
+    output: str
+    """stdout and stderr together."""
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for line in self.output.splitlines() if line.strip()]
+
+
+def headrace(*arguments: str, cwd: Path) -> Finished:
+    """Run the installed `headrace` command (or the module where it is not installed)."""
+    script = Path(sys.executable).with_name("headrace")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
+    done = subprocess.run(
+        [*command, *arguments],
+        cwd=cwd,
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+        check=False,
+    )
+    return Finished(done.returncode, done.stdout)

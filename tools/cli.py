@@ -325,6 +325,15 @@ def models_quantize(
 )
 @click.option("--window-s", type=float, default=30.0, show_default=True, help="Its window.")
 @click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds to wait for every live worker to apply it; exits 65 if one refused it, "
+    "75 if one had not applied it by then (0: return once it is written).",
+)
+@click.option(
     "--min-answers",
     type=int,
     default=20,
@@ -334,7 +343,7 @@ def models_quantize(
 def models_deploy(
     config_path: Path, pipeline: str, version: str, canary: float | None, shadow: bool,
     max_p99_increase_ms: float | None, max_error_rate: float | None,
-    max_score_drift: float | None, window_s: float, min_answers: int,
+    max_score_drift: float | None, window_s: float, wait_s: float, min_answers: int,
 ) -> None:  # fmt: skip
     """Make VERSION (or @ALIAS) of PIPELINE's model the serving one on every worker, or
     try it as a candidate (--canary PCT or --shadow) beside the serving one, optionally
@@ -353,6 +362,11 @@ def models_deploy(
     spec = _pipeline(config, pipeline)
     desired = rollout.deploy(config, spec, version, mode, canary or 0.0, guardrail)
     click.echo(f"{pipeline}: {rollout.describe(desired)}")
+    if wait_s:
+        found = rollout.applied(config, spec, desired, wait_s)
+        for report in found.reports:
+            click.echo(f"  {rollout.report_line(report)}")
+        rollout.check_applied(found, desired, wait_s)
 
 
 @models.command("promote")

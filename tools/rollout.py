@@ -4,15 +4,18 @@ pipeline written to the control topic, and what each live worker reports it appl
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from models.registry import resolve_model, with_version
+from schemas.errors import HeadraceError
 from streams.config import HeadraceConfig, PipelineConfig
-from streams.control import Desired, Mode, desired_states, worker_reports, write_desired
+from streams.control import Desired, Mode, Report, desired_states, worker_reports, write_desired
 from streams.errors import ConfigError
 from streams.guardrail import Guardrail
 
 # A worker silent for this many heartbeat intervals is reported gone.
 _SILENT_BEATS = 3
+_POLL_S = 0.5
 
 
 def current(config: HeadraceConfig, spec: PipelineConfig) -> Desired:
@@ -69,23 +72,89 @@ def _rule(rule: Guardrail) -> str:
     return f"{', '.join(limit for limit in limits if limit)} over {rule.window_s:g} s"
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What the live workers did with a desired state."""
+
+    reports: list[Report]
+    """Of the workers that acted on it."""
+    pending: int
+    """Live workers that had not acted on it yet."""
+    refused: dict[str, dict[str, str]]
+    """Worker -> {version it refused: why}, for the versions the desired state names."""
+
+
+class NotApplied(HeadraceError):
+    exit_status = 75  # EX_TEMPFAIL: the workers may still act on it
+
+
+class Refused(HeadraceError):
+    exit_status = 65  # EX_DATAERR: the version itself does not load or fit
+
+
+def applied(
+    config: HeadraceConfig, spec: PipelineConfig, desired: Desired, timeout_s: float
+) -> Applied:
+    """Waits (at most `timeout_s`) until every live worker of the pipeline acted on
+    `desired`: switched to it, or refused what it names."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = [r for r in worker_reports(config) if r.pipeline == spec.name and _live(config, r)]
+        done = [r for r in live if r.revision >= desired.revision]
+        if (live and len(done) == len(live)) or time.monotonic() >= deadline:
+            named = {v for v in (desired.serving, desired.candidate) if v is not None}
+            refused = {r.worker: {v: r.refused[v] for v in named if v in r.refused} for r in done}
+            return Applied(
+                done, len(live) - len(done), {w: why for w, why in refused.items() if why}
+            )
+        time.sleep(_POLL_S)
+
+
+def check_applied(found: Applied, desired: Desired, waited_s: float) -> None:
+    """Raises unless every live worker applied `desired` (`deploy --wait`)."""
+    if found.refused:
+        reasons = sorted({why for refused in found.refused.values() for why in refused.values()})
+        versions = sorted({v for refused in found.refused.values() for v in refused})
+        raise Refused(
+            f"pipeline {desired.pipeline}: v{', v'.join(versions)} refused by "
+            f"{len(found.refused)} of {len(found.reports) + found.pending} workers "
+            f"({'; '.join(reasons)}); they serve what they served; hint: "
+            f"`headrace models rollback {desired.pipeline}` undoes the deploy"
+        )
+    if found.pending or not found.reports:
+        raise NotApplied(
+            f"pipeline {desired.pipeline}: {found.pending} of "
+            f"{len(found.reports) + found.pending} live workers had not applied revision "
+            f"{desired.revision} after {waited_s:g} s; hint: it stays desired, every worker "
+            "follows it; `headrace models status` shows where each stands"
+        )
+
+
+def report_line(report: Report) -> str:
+    """What one worker serves, as its last heartbeat said."""
+    text = f"{report.worker}: serving v{report.serving}"
+    if report.candidate is not None:
+        share = f" {report.canary_percent:g}%" if report.mode == "canary" else ""
+        text += f", candidate v{report.candidate} ({report.mode}{share})"
+    age_s = time.time() - report.sent_ms / 1000
+    return f"{text}, revision {report.revision}, {age_s:.0f} s ago"
+
+
+def _live(config: HeadraceConfig, report: Report) -> bool:
+    silent_ms = _SILENT_BEATS * config.control.heartbeat_interval_s * 1000
+    return time.time() * 1000 - report.sent_ms <= silent_ms
+
+
 def status_lines(config: HeadraceConfig, spec: PipelineConfig) -> list[str]:
     """The desired state, then one line per worker that reported on the pipeline."""
     lines = [f"{spec.name}: desired {describe(current(config, spec))}"]
-    now_ms = time.time() * 1000
-    silent_ms = _SILENT_BEATS * config.control.heartbeat_interval_s * 1000
     reports = [r for r in worker_reports(config) if r.pipeline == spec.name]
     for report in sorted(reports, key=lambda r: r.worker):
-        age_s = (now_ms - report.sent_ms) / 1000
-        if now_ms - report.sent_ms > silent_ms:
+        if not _live(config, report):
+            age_s = time.time() - report.sent_ms / 1000
             lines.append(f"  {report.worker}: gone (last heard {age_s:.0f} s ago)")
             continue
-        text = f"  {report.worker}: serving v{report.serving}"
-        if report.candidate is not None:
-            share = f" {report.canary_percent:g}%" if report.mode == "canary" else ""
-            text += f", candidate v{report.candidate} ({report.mode}{share})"
-        text += f", revision {report.revision}, {age_s:.0f} s ago"
-        lines.append(text)
+        lines.append(f"  {report_line(report)}")
         for version, why in report.refused.items():
             lines.append(f"    refused v{version}: {why}")
     if not reports:

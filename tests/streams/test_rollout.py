@@ -23,7 +23,14 @@ from schemas.codec import AvroDecoder, AvroEncoder
 from streams.control import desired_states, ensure_control_topics, worker_reports, write_desired
 from streams.guardrail import Guardrail
 from tests.conftest import Deployment
-from tests.helpers import PATIENT_BUDGET_MS, produce_events, scrape, total, wait_until
+from tests.helpers import (
+    PATIENT_BUDGET_MS,
+    headrace,
+    produce_events,
+    scrape,
+    total,
+    wait_until,
+)
 from tools import rollout
 from tools.audit import audit
 from tools.collector import OutcomeCollector, TopicReader
@@ -99,10 +106,16 @@ def test_deploy_switches_once_per_partition_refuses_broken_versions_and_persists
         stream.start()
         try:
             assert collector._reader.wait_for(300, 30) >= 300, lifecycle.log_tail()
-            rollout.deploy(config, spec, "2")
-            assert wait_until(lambda: reported(lifecycle, lambda r: r.serving == "2"), 30)
+            # As an operator runs it: the command waits until the worker applied it.
+            deploy = ("models", "deploy", "-c", str(lifecycle.config_file), spec.name)
+            done = headrace(*deploy, "2", "--wait", "30", cwd=lifecycle.config_file.parent)
+            assert done.code == 0 and "serving v2, revision 1" in done.output, done.output
+            assert reported(lifecycle, lambda r: r.serving == "2")
             # A truncated file and a model of other inputs: refused, v2 keeps serving.
-            rollout.deploy(config, spec, "3")
+            done = headrace(*deploy, "3", "--wait", "30", cwd=lifecycle.config_file.parent)
+            assert done.code == 65, done.output
+            assert "v3 refused by 1 of 1 workers" in done.lines[-1], done.output
+            assert "hint: `headrace models rollback fraud`" in done.lines[-1], done.output
             rollout.deploy(config, spec, "4", "canary", 10)
             assert wait_until(
                 lambda: reported(lifecycle, lambda r: {"3", "4"} <= set(r.refused)), 30

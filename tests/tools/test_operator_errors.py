@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -20,41 +19,10 @@ import yaml
 
 from infra.ports import free_port
 from infra.topics import set_topic_config
+from tests.helpers import COMMAND_TIMEOUT_S, Finished, headrace
 from tools.deploy import sample_config
 
 EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_DELIVERED = 2, 69, 75
-# Seconds a command may take: its imports (Feast, ONNX Runtime) are slow on a busy machine.
-COMMAND_TIMEOUT_S = 180
-
-
-@dataclass
-class Finished:
-    code: int
-    output: str
-    """stdout and stderr together."""
-
-    @property
-    def lines(self) -> list[str]:
-        return [line for line in self.output.splitlines() if line.strip()]
-
-
-def headrace(*arguments: str, cwd: Path) -> Finished:
-    """Run the installed `headrace` command (or the module where it is not installed)."""
-    script = Path(sys.executable).with_name("headrace")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
-    done = subprocess.run(
-        [*command, *arguments],
-        cwd=cwd,
-        env=environment,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=COMMAND_TIMEOUT_S,
-        check=False,
-    )
-    return Finished(done.returncode, done.stdout)
 
 
 def assert_refused(done: Finished, code: int, *expected: str) -> str:
