@@ -41,9 +41,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def lifecycle(deploy, sample_assets, tmp_path):
-    """A bare-runtime deployment whose model registry holds: 2 (the sample model again),
-    3 (a truncated file), 4 (a model with other inputs); its own control topics."""
+def lifecycle(request, deploy, sample_assets, tmp_path):
+    """A deployment (bare runtime, or the one a test parametrizes it with) whose model
+    registry holds: 2 (the sample model again), 3 (a truncated file), 4 (a model with
+    other inputs); its own control topics."""
     registry = FolderRegistry(tmp_path / "registry")
     model = sample_assets.model
     assert registry.register("fraud-mlp", model, {}) == "1"
@@ -53,7 +54,8 @@ def lifecycle(deploy, sample_assets, tmp_path):
     assert registry.register("fraud-mlp", truncated, {}) == "3"
     assert registry.register("fraud-mlp", intent_path(model), {}) == "4"
 
-    deployment = deploy(runtime="bare", latency_budget_ms=PATIENT_BUDGET_MS)
+    runtime = getattr(request, "param", "bare")
+    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
     raw = yaml.safe_load(deployment.config_file.read_text())
     suffix = deployment.spec.input_topic.removeprefix("transactions")
     raw["pipelines"][0]["model"]["registry"] = {"root": str(registry.root)}
@@ -86,6 +88,7 @@ def reported(deployment: Deployment, check) -> bool:
     return any(check(report) for report in worker_reports(deployment.config))
 
 
+@pytest.mark.parametrize("lifecycle", ["bare", "faust"], indirect=True)
 def test_deploy_switches_once_per_partition_refuses_broken_versions_and_persists(
     lifecycle, sample_assets
 ):
