@@ -121,7 +121,12 @@ def check_applied(found: Applied, desired: Desired, waited_s: float) -> None:
             f"({'; '.join(reasons)}); they serve what they served; hint: "
             f"`headrace models rollback {desired.pipeline}` undoes the deploy"
         )
-    if found.pending or not found.reports:
+    if not found.reports and not found.pending:
+        raise NotApplied(
+            f"pipeline {desired.pipeline}: no live worker reported within {waited_s:g} s; "
+            "hint: it stays desired, and a worker started later serves it from its first batch"
+        )
+    if found.pending:
         raise NotApplied(
             f"pipeline {desired.pipeline}: {found.pending} of "
             f"{len(found.reports) + found.pending} live workers had not applied revision "
