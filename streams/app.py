@@ -285,10 +285,11 @@ def wire_pipelines(
 def answered_before_check(
     config: HeadraceConfig, catalogue: SchemaCatalogue
 ) -> AnsweredBefore | None:
-    """What reads the outcome topics back at each assignment (`streams/replay.py`); None
-    with exactly-once delivery (its transactions leave nothing to find) or when off."""
+    """What reads the outcome topics back at each assignment (`streams/replay.py`; with
+    a lookback of 0 it only marks what is read again); None with exactly-once delivery
+    (its transactions leave nothing to find)."""
     lookback_s = config.broker.replay_lookback_s
-    if config.delivery == "exactly_once" or lookback_s <= 0:
+    if config.delivery == "exactly_once":
         return None
     broker = config.broker
     return AnsweredBefore(

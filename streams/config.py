@@ -61,7 +61,8 @@ class BrokerConfig(_Frozen):
     replay_lookback_s: float = Field(120.0, ge=0, le=3_600)
     """At each assignment, how far back the outcome topics are read for inputs past the
     committed offsets that a crashed worker already answered (not answered again,
-    `streams/replay.py`); 0 turns the check off."""
+    `streams/replay.py`); 0 reads nothing back: those inputs are answered again, marked
+    `headrace.redelivered`."""
 
     @property
     def connect_timeout_s(self) -> float:

@@ -84,6 +84,12 @@ ANSWERED_BEFORE = Counter(
     "answered in the outcome topics and not answered twice (`streams/replay.py`).",
     ["pipeline"],
 )
+REDELIVERED = Counter(
+    "headrace_redelivered",
+    "Inputs read again after a handover whose check could not see an earlier answer, "
+    "answered with the headrace.redelivered header (`streams/replay.py`).",
+    ["pipeline"],
+)
 RETRIES = Counter(
     "headrace_batch_retries", "Batches retried after a store, model or Kafka error.", ["pipeline"]
 )
@@ -196,6 +202,7 @@ class PipelineMetrics:
         self.admission_lag = ADMISSION_LAG_SECONDS.labels(pipeline)
         self.batch_size = BATCH_SIZE.labels(pipeline)
         self.answered_before = ANSWERED_BEFORE.labels(pipeline)
+        self.redelivered = REDELIVERED.labels(pipeline)
         self.stage = {
             stage: STAGE_SECONDS.labels(pipeline, stage)
             for stage in ("decode", "features", "inference", "encode", "publish")

@@ -8,7 +8,8 @@ by step: for an answer, the dead letter of its input (reason `too_large`, or
 `unpublishable` for a record Kafka finds invalid); then a dead letter whose value is
 cut to its first `KEPT_BYTES`, with the whole value's size and sha256 in headers
 (`headrace.value.size`, `headrace.value.sha256`) and the reason it was first
-dead-lettered for in `headrace.error.cause`; then one without key or value.
+dead-lettered for in `headrace.error.cause`; then one without key or value. Every form
+keeps the trace headers and the `headrace.redelivered` marker of the first.
 """
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ from schemas.errors import DecodeError
 from schemas.validation import InvalidEventError
 from streams.errors import PublishError
 from streams.logs import about
-from streams.records import InputRecord, OutRecord
-from streams.tracing import trace_headers
+from streams.records import InputRecord, Item, OutRecord
+from streams.tracing import TRACEPARENT, TRACESTATE
 
 log = logging.getLogger(__name__)
 
 TOO_LARGE = "too_large"
 UNPUBLISHABLE = "unpublishable"
+# On the outcome of an input read again after a handover whose check could not see an
+# earlier answer (`streams/replay.py`): a consumer keeps the first answer of these.
+REDELIVERED = "headrace.redelivered"
+# Headers every smaller form of a record keeps.
+_KEPT = (TRACEPARENT, TRACESTATE, REDELIVERED)
 # What a cut dead letter keeps of its value: enough to see its framing and schema id.
 KEPT_BYTES = 1_024
 # A cut dead letter's header values are cut to this too (a message may quote a field).
@@ -54,6 +60,13 @@ def dead_letter(
     if isinstance(error, InvalidEventError):
         headers.append(("headrace.error.rule", f"{error.field}.{error.rule}".encode()))
     return OutRecord(topic, record.key, record.value, headers)
+
+
+def mark_redelivered(items: Sequence[Item], records: Sequence[OutRecord]) -> None:
+    """Add the `headrace.redelivered` header to the outcomes of inputs read again."""
+    for item, record in zip(items, records, strict=True):
+        if item.redelivered:
+            record.headers.append((REDELIVERED, b"1"))
 
 
 def _origin(record: InputRecord, pipeline: str) -> list[tuple[str, bytes]]:
@@ -130,7 +143,7 @@ class Outgoing:
             message = f"its answer cannot be written: {why}"
             headers = [("headrace.error.reason", reason.encode()),
                        ("headrace.error.message", message.encode()),
-                       *_origin(source, self.pipeline), *trace_headers(first.headers)]  # fmt: skip
+                       *_origin(source, self.pipeline), *_kept_headers(first)]  # fmt: skip
             replaced = OutRecord(self.dead_letter_topic, source.key, source.value, headers)
             log.warning("%s: %s; dead-lettering its input (%s)", where, message, reason,
                         extra=about(self.pipeline, [source]))  # fmt: skip
@@ -171,7 +184,7 @@ class Outgoing:
         if rule is not None:
             headers.append(("headrace.error.rule", rule.encode()[:MAX_HEADER_BYTES]))
         headers += _origin(source, self.pipeline)
-        headers += trace_headers(first.headers)
+        headers += _kept_headers(first)
         headers += [
             ("headrace.value.size", str(len(value)).encode()),
             ("headrace.value.sha256", hashlib.sha256(value).hexdigest().encode()),
@@ -184,6 +197,10 @@ class Outgoing:
             ]
             key = None
         return OutRecord(self.dead_letter_topic, key, kept if keep_key else None, headers)
+
+
+def _kept_headers(record: OutRecord) -> list[tuple[str, bytes]]:
+    return [(name, value) for name, value in record.headers if name in _KEPT]
 
 
 def _header(record: OutRecord, name: str) -> str | None:

@@ -34,7 +34,7 @@ from streams.encode import AnswerEncoder
 from streams.errors import ConfigError
 from streams.guardrail import VersionMeter
 from streams.infer import Model
-from streams.outgoing import Outgoing, dead_letter
+from streams.outgoing import Outgoing, dead_letter, mark_redelivered
 from streams.publish import Publisher
 from streams.records import Item, OutRecord
 from streams.serving import Serving
@@ -159,11 +159,12 @@ class Pipeline:
             self._answers.clear()
             self._cached_for = serving
         use_cache = self.admission.ladder.answer_cache
-        answered_before = 0
+        answered_before = redelivered = 0
         for item in items:
             if item.answered_before:
                 answered_before += 1
                 continue
+            redelivered += item.redelivered
             if item.error is not None:
                 continue
             item.route = Route.FULL
@@ -176,6 +177,8 @@ class Pipeline:
         if answered_before:
             prepared.outcome_items = [item for item in items if not item.answered_before]
             self.metrics.answered_before.inc(answered_before)
+        if redelivered:
+            self.metrics.redelivered.inc(redelivered)
         prepared.timings = {
             "batch_size": len(items),
             "decode_us": max((item.decode_us for item in items), default=0),
@@ -303,6 +306,7 @@ class Pipeline:
             with trace.stage("encode"):
                 outcomes = self._outcomes(prepared)
                 trace.mark(prepared.outcome_items, outcomes)
+                mark_redelivered(prepared.outcome_items, outcomes)
                 prepared.outgoing = Outgoing(
                     outcomes, [item.record for item in prepared.outcome_items], spec.name,
                     spec.dead_letter_topic,

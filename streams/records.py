@@ -65,3 +65,6 @@ class Item:
     answered_before: bool = False
     """Already answered, by a worker that stopped before committing it (`streams/replay.py`):
     acknowledged with its batch, never answered again."""
+    redelivered: bool = False
+    """Read again after a handover whose check could not see an earlier answer
+    (`streams/replay.py`): its outcome carries the `headrace.redelivered` header."""

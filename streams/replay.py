@@ -17,6 +17,13 @@ longer than `CHECK_TIMEOUT_S` is logged and skipped: at worst an input is answer
 twice, never lost. An answer written by the previous owner after the check (a clean
 rebalance whose drain outlasts it) is not seen either. With exactly-once delivery the
 transactions already guarantee all of this and nothing is read.
+
+Where the check cannot see (it failed or timed out, its lookback did not reach back to
+a partition's first uncommitted input, or `lookback_s` is 0), the inputs between the
+committed offset and the end of the partition at assignment are answered again with a
+`headrace.redelivered` header: a consumer that must never see a repeat only needs to
+look up the marked answers (the first answer wins). A partition the group never
+committed is not marked: nothing was handed over.
 """
 
 from __future__ import annotations
@@ -41,6 +48,22 @@ Partition = tuple[str, int]
 CLOCK_SKEW_S = 10.0
 CHECK_TIMEOUT_S = 10.0
 _REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the check at an assignment found for one partition."""
+
+    answered: frozenset[int] = frozenset()
+    """Offsets past the committed one already answered: acknowledged, not answered again."""
+    unchecked: range = range(0)
+    """Offsets past the committed one whose earlier answers the check could not see:
+    answered again, marked `headrace.redelivered` (except those in `answered`)."""
+
+    @property
+    def end(self) -> int:
+        """The first offset the check says nothing about."""
+        return max(self.unchecked.stop, max(self.answered, default=-1) + 1)
 
 
 @dataclass(frozen=True)
@@ -96,25 +119,45 @@ class AnsweredBefore:
         self._lookback_s = lookback_s
         self._clock = clock
 
-    def scan(self, partitions: Iterable[Partition]) -> dict[Partition, set[int]]:
-        """Per partition checked, the offsets past its committed one already answered
-        (empty sets included: what a caller remembered for it is out of date). {} when
-        the check could not be made."""
+    def scan(self, partitions: Iterable[Partition]) -> dict[Partition, Replay]:
+        """Per partition checked, what was answered past its committed offset, and what
+        could not be checked (empty ones included: what a caller remembered for it is out
+        of date). {} when not even the committed offsets could be read."""
         wanted = [p for p in partitions if p[0] in self._outcomes]
-        if not wanted or self._lookback_s <= 0:
+        if not wanted:
             return {}
         started = time.monotonic()
         consumer = Consumer(self._settings)
         try:
-            found = self._scan(consumer, wanted, started + CHECK_TIMEOUT_S)
+            windows, handed_over = self._uncommitted(consumer, wanted)
+        except KafkaException as exc:
+            consumer.close()
+            log.warning(
+                "could not read the committed offsets of %d newly assigned partitions "
+                "(%s); inputs answered before a crash may be answered again, unmarked",
+                len(wanted), exc,
+            )  # fmt: skip
+            return {}
+        checked = dict.fromkeys(wanted, Replay())
+        unchecked = {p: Replay(unchecked=windows[p]) for p in handed_over}
+        try:
+            if self._lookback_s <= 0 or not windows:  # nothing to read back: mark them
+                return {**checked, **unchecked}
+            found, reached = self._scan(consumer, windows, started + CHECK_TIMEOUT_S)
         except (KafkaException, RegistryError, TimeoutError) as exc:
             log.warning(
                 "could not read back the answers of %d newly assigned partitions (%s); "
-                "inputs answered before a crash may be answered again", len(wanted), exc,
+                "the %d inputs past their committed offsets are answered again, marked "
+                "headrace.redelivered", len(wanted), exc,
+                sum(len(replay.unchecked) for replay in unchecked.values()),
             )  # fmt: skip
-            return {}
+            return {**checked, **unchecked}
         finally:
             consumer.close()
+        for partition, offsets in found.items():
+            unseen = partition in handed_over and partition not in reached
+            window = windows[partition] if unseen else range(0)
+            checked[partition] = Replay(frozenset(offsets), window)
         repeats = sum(len(offsets) for offsets in found.values())
         if repeats:
             log.warning(
@@ -123,53 +166,60 @@ class AnsweredBefore:
                 "%.2f s)", repeats, ", ".join(f"{t}[{p}]" for (t, p), o in found.items() if o),
                 time.monotonic() - started,
             )  # fmt: skip
-        return found
+        return checked
 
     def _scan(
-        self, consumer: Consumer, wanted: list[Partition], deadline: float
-    ) -> dict[Partition, set[int]]:
-        committed = self._uncommitted_from(consumer, wanted)
-        found: dict[Partition, set[int]] = {p: set() for p in wanted}
-        if not committed:
-            return found
-        first_ms = self._first_timestamps_ms(consumer, committed, deadline)
+        self, consumer: Consumer, windows: dict[Partition, range], deadline: float
+    ) -> tuple[dict[Partition, set[int]], set[Partition]]:
+        """The answered offsets found per partition, and the partitions whose every
+        uncommitted input the read reached back to (the lookback bounds it)."""
+        first_ms = self._first_timestamps_ms(consumer, windows, deadline)
         since_ms = max(
             min(first_ms.values()) - CLOCK_SKEW_S * 1000,
             (self._clock() - self._lookback_s) * 1000,
         )
+        reached = {p for p, stamp in first_ms.items() if stamp - CLOCK_SKEW_S * 1000 >= since_ms}
+        found: dict[Partition, set[int]] = {p: set() for p in windows}
 
         def keep(named: tuple[str, int, int] | None) -> None:
             if named is not None:
                 topic, partition, offset = named
-                start = committed.get((topic, partition))
-                if start is not None and offset >= start:
+                window = windows.get((topic, partition))
+                if window is not None and offset >= window.start:
                     found[(topic, partition)].add(offset)
 
-        topics = {self._outcomes[topic] for topic, _ in committed}
+        topics = {self._outcomes[topic] for topic, _ in windows}
         for outcome in topics:
             _read_since(consumer, outcome.output_topic, since_ms, deadline,
                         lambda m: keep(input_of_answer(m, self._decoder)))  # fmt: skip
             _read_since(consumer, outcome.dead_letter_topic, since_ms, deadline,
                         lambda m: keep(input_of_dead_letter(m)))  # fmt: skip
-        return found
+        return found, reached
 
     @staticmethod
-    def _uncommitted_from(consumer: Consumer, wanted: list[Partition]) -> dict[Partition, int]:
-        """The committed offset of each partition that has inputs past it."""
+    def _uncommitted(
+        consumer: Consumer, wanted: list[Partition]
+    ) -> tuple[dict[Partition, range], set[Partition]]:
+        """The inputs past the committed offset of each partition that has some (from the
+        log start where the group never committed), and which of those partitions the
+        group did commit (handed over: a previous owner may have answered them)."""
         asked = [KafkaPartition(topic, partition) for topic, partition in wanted]
-        starts = {}
+        windows, handed_over = {}, set()
         for tp in consumer.committed(asked, timeout=_REQUEST_TIMEOUT_S):
             low, high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)
             start = low if tp.offset == OFFSET_INVALID else max(tp.offset, low)
             if start < high:
-                starts[(tp.topic, tp.partition)] = start
-        return starts
+                windows[(tp.topic, tp.partition)] = range(start, high)
+                if tp.offset != OFFSET_INVALID:
+                    handed_over.add((tp.topic, tp.partition))
+        return windows, handed_over
 
     @staticmethod
     def _first_timestamps_ms(
-        consumer: Consumer, starts: dict[Partition, int], deadline: float
+        consumer: Consumer, windows: dict[Partition, range], deadline: float
     ) -> dict[Partition, int]:
         """The Kafka timestamp of each partition's first uncommitted input."""
+        starts = {partition: window.start for partition, window in windows.items()}
         consumer.assign([KafkaPartition(t, p, offset) for (t, p), offset in starts.items()])
         stamps: dict[Partition, int] = {}
         while len(stamps) < len(starts):

@@ -46,6 +46,7 @@ from streams.holds import LOOKUP_BACKOFF_S, Changes, PartitionHolds
 from streams.logs import about
 from streams.pipeline import Pipeline, Prepared
 from streams.records import InputRecord, Item
+from streams.replay import Replay
 from streams.shadow import ShadowScorer
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,10 @@ class PipelineRunner:
         # Records waiting for their schema ids, per partition; a partition is paused
         # once it holds a batch's worth, so they stay well within the in-flight bound.
         self._holds = PartitionHolds(spec.max_batch_size, lookup_backoff_s, clock)
-        # Per newly assigned partition, offsets past its committed one already answered
-        # (`streams/replay.py`): acknowledged with their batches, not answered again.
-        self._answered_before: dict[tuple[str, int], set[int]] = {}
+        # Per newly assigned partition, what its check found (`streams/replay.py`): offsets
+        # already answered, acknowledged with their batches, not answered again; and
+        # offsets it could not check, answered with a marker. Dropped once passed.
+        self._replays: dict[tuple[str, int], Replay] = {}
         self._pause = pause
         self._submitted = asyncio.Event()
         self._bug: tuple[BaseException, Sequence[InputRecord]] | None = None
@@ -261,35 +263,39 @@ class PipelineRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._submitted.wait(), holds.next_due_s())
 
-    def answered_before(self, found: dict[tuple[str, int], set[int]]) -> None:
-        """What a check of newly assigned partitions found answered (an entry per
-        partition checked: it replaces what was known of it). Call on the event loop
-        before their records are submitted."""
-        for partition, offsets in found.items():
-            if offsets:
-                self._answered_before[partition] = set(offsets)
+    def answered_before(self, found: dict[tuple[str, int], Replay]) -> None:
+        """What a check of newly assigned partitions found (an entry per partition
+        checked: it replaces what was known of it). Call on the event loop before their
+        records are submitted."""
+        for partition, replay in found.items():
+            if replay.end > 0:
+                self._replays[partition] = replay
             else:
-                self._answered_before.pop(partition, None)
+                self._replays.pop(partition, None)
 
     def _put(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
         items = self._decoder.decode_known(records, handles)
-        if self._answered_before:
-            self._mark_answered_before(items)
+        if self._replays:
+            self._mark_replayed(items)
         self._batcher.put(items, [item.deadline_s for item in items])
         if self._draining:
             self._batcher.flush()
 
-    def _mark_answered_before(self, items: list[Item]) -> None:
-        known = self._answered_before
+    def _mark_replayed(self, items: list[Item]) -> None:
+        replays = self._replays
         for item in items:
             record = item.record
             where = (record.topic, record.partition)
-            offsets = known.get(where)
-            if offsets is not None and record.offset in offsets:
+            replay = replays.get(where)
+            if replay is None:
+                continue
+            offset = record.offset
+            if offset in replay.answered:
                 item.answered_before = True
-                offsets.discard(record.offset)
-                if not offsets:
-                    del known[where]
+            elif offset in replay.unchecked:
+                item.redelivered = True
+            if offset >= replay.end - 1:  # records come in offset order per partition
+                del replays[where]
 
     def _carry_out(self, changes: Changes) -> None:
         """Pause, resume and report partitions as the holds decided (not `ready`)."""

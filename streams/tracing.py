@@ -254,8 +254,3 @@ def _headers(context: Any) -> list[tuple[str, bytes]]:
     if state:
         headers.append((TRACESTATE, state.encode()))
     return headers
-
-
-def trace_headers(headers: Sequence[tuple[str, bytes | None]]) -> list[tuple[str, bytes]]:
-    """The trace headers among `headers` (what a smaller form of a record keeps)."""
-    return [(name, value) for name, value in headers if name in (TRACEPARENT, TRACESTATE)]

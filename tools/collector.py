@@ -19,6 +19,7 @@ from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, Message
 
 from infra.kafka_clients import client_settings
 from schemas.codec import AvroDecoder
+from streams.outgoing import REDELIVERED
 
 
 class TopicReader:
@@ -157,6 +158,10 @@ class OutcomeCollector:
                         else None
                     )
                     prediction["key"] = message.key()
+                    # Read again after a handover that could not check for a first answer.
+                    prediction["redelivered"] = any(
+                        name == REDELIVERED for name, _ in message.headers() or ()
+                    )
                     self._outcomes.predictions.append(prediction)
                 else:
                     headers = {k: v.decode() for k, v in message.headers() or []}

@@ -94,6 +94,7 @@ def sample_config(
     instance_id: str | None = None,
     tracing: dict[str, Any] | None = None,
     log_format: str = "text",
+    broker: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The sample fraud pipeline's config as a plain dict (what a YAML file would hold),
     with the click-intent pipeline beside it when `clicks_model` is given.
@@ -104,7 +105,7 @@ def sample_config(
         "app_id": f"headrace{suffix}",
         "runtime": runtime,
         "delivery": delivery,
-        "broker": {"bootstrap_servers": bootstrap_servers},
+        "broker": {"bootstrap_servers": bootstrap_servers, **(broker or {})},
         "features": {"repo_path": str(repo_path)},
         "metrics": {"port": metrics_port},
         "pipelines": [

@@ -19,6 +19,7 @@ from streams.config import PipelineConfig
 from streams.errors import PublishError
 from streams.pipeline import Prepared
 from streams.records import InputRecord, Item
+from streams.replay import Replay
 from streams.runner import PipelineRunner
 from tools.deploy import sample_config
 
@@ -148,23 +149,33 @@ async def test_inputs_answered_before_are_acked_in_order_and_marked_not_to_answe
     run = runner(pipeline, acked, fatal)
     await run.start()
     # A check of the newly assigned partition found 1, 2 and 5 answered by a worker
-    # that stopped before committing them; partition 1 was checked and had nothing.
-    run.answered_before({("in", 0): {1, 2, 5}, ("in", 1): set()})
-    marked = []
+    # that stopped before committing them, and could not see earlier answers of 1..6;
+    # partition 1 was checked and had nothing.
+    run.answered_before({("in", 0): Replay(frozenset({1, 2, 5}), range(1, 7)), ("in", 1): Replay()})
+    skipped, redelivered = [], []
     publish = pipeline.publish
 
     async def publish_noting_marks(prepared) -> None:
-        marked.extend(item.record.offset for item in prepared.items if item.answered_before)
+        for item in prepared.items:
+            if item.answered_before:
+                skipped.append(item.record.offset)
+            if item.redelivered:
+                redelivered.append(item.record.offset)
         await publish(prepared)
 
     pipeline.publish = publish_noting_marks
-    for first in (0, 4):
+    for first in (0, 4, 8):
         records = chunk(first, 4)
         run.submit(records, [r.offset for r in records])
+    # Read again after a seek back: the check's findings are spent once passed.
+    again = chunk(0, 4)
+    run.submit(again, [r.offset for r in again])
     await run.drain()
     await run.stop()
-    assert marked == [1, 2, 5]
-    assert acked == [[0, 1, 2, 3], [4, 5, 6, 7]]  # all acknowledged, in order, once
+    assert skipped == [1, 2, 5]
+    assert redelivered == [3, 4, 6]  # unchecked and not found answered
+    # All acknowledged, in order, once.
+    assert acked == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [0, 1, 2, 3]]
     assert not fatal
 
 
