@@ -22,7 +22,7 @@ from tools.loadgen import encoded, sample_events
 
 pytestmark = pytest.mark.integration
 
-BURST = 50_000
+BURST = 25_000
 MAX_IN_FLIGHT = 1_000
 # The worker's documented bound with max_in_flight 1000 (README, "Tuning").
 RSS_BOUND_MB = 600
