@@ -5,9 +5,10 @@ records to the event loop. Calls on the consumer from the loop thread can block
 behind a poll in progress, so acknowledgements (storing each partition's next
 offset, which librdkafka commits in the background and on close) are queued for that
 thread, which runs them between polls. The same thread enforces the in-flight bound:
-it counts what it handed over and what was acknowledged, and pauses the topic's
-partitions at `max_in_flight` (resuming at `resume_in_flight`) before it could hand
-over more, so the bound holds within one chunk. A runner can pause one partition (its
+it counts what it handed over and what was acknowledged, and stops handing a topic's
+records over at `max_in_flight` (again from `resume_in_flight`), so the bound holds
+within one chunk: it stops polling while every input is at its bound, and pauses the
+topic's partitions while others flow. A runner can pause one partition (its
 records wait for the schema registry): that pause outlasts the bound's resume.
 Partitions move with the cooperative-sticky assignor: a rebalance takes away only the
 partitions that move, and before they go the poll thread waits (in `on_revoke`) for the
@@ -99,7 +100,10 @@ class BareConsumer:
         self._unwritten: Counter[tuple[str, int]] = Counter()
         self._revoke_timeout_s = config.broker.session_timeout_ms / 1000
         self._bounds: dict[str, tuple[int, int]] = {}
+        # Input topics at their in-flight bound, and those paused in librdkafka for it
+        # (only while another topic flows: see `_apply_bounds`).
         self._paused: set[str] = set()
+        self._fetch_paused: set[str] = set()
         self._progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
         self._marks = ConfluentMarks(self._consumer, self._progress)
         # Partitions a runner paused (records waiting for the registry); poll thread's.
@@ -199,10 +203,20 @@ class BareConsumer:
             count = self._handed_over[topic]
             if topic not in self._paused and count >= high:
                 self._paused.add(topic)
-                self._pause(topic, True)
             elif topic in self._paused and count <= low:
                 self._paused.discard(topic)
-                self._pause(topic, False)
+        if len(self._paused) == len(self._runners):
+            # Nothing is polled until one resumes: librdkafka keeps what it prefetched
+            # (queued.max.messages.kbytes bounds it). A pause would drop all of it, and
+            # the resume fetch it again: megabytes per cycle, a third of the throughput
+            # of a backlog on a slow model.
+            return
+        for topic in self._paused - self._fetch_paused:
+            self._fetch_paused.add(topic)
+            self._pause(topic, True)
+        for topic in self._fetch_paused - self._paused:
+            self._fetch_paused.discard(topic)
+            self._pause(topic, False)
 
     def _run_queued_calls(self) -> None:
         while True:
@@ -340,7 +354,7 @@ class BareConsumer:
 
         def hold() -> None:
             (self._held.add if paused else self._held.discard)((topic, partition))
-            if paused or topic not in self._paused:  # else the bound's resume restarts it
+            if paused or topic not in self._fetch_paused:  # else the bound's resume restarts it
                 call = self._consumer.pause if paused else self._consumer.resume
                 try:
                     call([TopicPartition(topic, partition)])
