@@ -59,15 +59,25 @@ def wait_until(condition, timeout_s: float, interval_s: float = 0.2) -> bool:
 
 def committed_lag(bootstrap: str, group: str, topic: str, partitions: int) -> int:
     """Records of `topic` not yet committed by consumer group `group`."""
+    return sum(
+        high - max(offset, 0) for offset, high in _committed(bootstrap, group, topic, partitions)
+    )
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> list[int]:
+    """Consumer group `group`'s committed offset of each partition (negative: none yet)."""
+    return [offset for offset, _high in _committed(bootstrap, group, topic, partitions)]
+
+
+def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[tuple[int, int]]:
+    """(committed offset, high watermark) of each partition of `topic`."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
     try:
         tps = [TopicPartition(topic, p) for p in range(partitions)]
-        committed = consumer.committed(tps, timeout=10)
-        lag = 0
-        for tp in committed:
-            _low, high = consumer.get_watermark_offsets(tp, timeout=10)
-            lag += high - max(tp.offset, 0)
-        return lag
+        return [
+            (tp.offset, consumer.get_watermark_offsets(tp, timeout=10)[1])
+            for tp in consumer.committed(tps, timeout=10)
+        ]
     finally:
         consumer.close()
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.chaos.conftest import input_offsets, outcomes_per_input
-from tests.helpers import produce_events, wait_until
+from tests.helpers import committed_offsets, produce_events, wait_until
 from tests.streams.test_worker import collector_for
 from tools.deploy import group_spread, start_worker, stop_worker
 
@@ -135,6 +135,11 @@ def test_with_the_read_back_off_what_a_killed_worker_answered_is_repeated_marked
     try:
         worker = start_worker(deployment.config_file, deployment.log_file)
         assert wait_until(lambda: answered(collector) > 500, 120), deployment.log_tail()
+        # Every partition committed once: a partition never committed is not marked.
+        group = deployment.config.app_id
+        assert wait_until(
+            lambda: min(committed_offsets(kafka.bootstrap_servers, group, topic, 3)) >= 0, 60
+        )
         worker.kill()  # mid-backlog: answers written since the last commit are read again
         worker.wait()
         with deployment.worker():
