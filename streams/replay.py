@@ -129,9 +129,16 @@ class AnsweredBefore:
         started = time.monotonic()
         consumer = Consumer(self._settings)
         try:
+            return self._check(consumer, wanted, started)
+        finally:
+            consumer.close()
+
+    def _check(
+        self, consumer: Consumer, wanted: list[Partition], started: float
+    ) -> dict[Partition, Replay]:
+        try:
             windows, handed_over = self._uncommitted(consumer, wanted)
         except KafkaException as exc:
-            consumer.close()
             log.warning(
                 "could not read the committed offsets of %d newly assigned partitions "
                 "(%s); inputs answered before a crash may be answered again, unmarked",
@@ -140,9 +147,9 @@ class AnsweredBefore:
             return {}
         checked = dict.fromkeys(wanted, Replay())
         unchecked = {p: Replay(unchecked=windows[p]) for p in handed_over}
+        if self._lookback_s <= 0 or not windows:  # nothing to read back: mark them
+            return {**checked, **unchecked}
         try:
-            if self._lookback_s <= 0 or not windows:  # nothing to read back: mark them
-                return {**checked, **unchecked}
             found, reached = self._scan(consumer, windows, started + CHECK_TIMEOUT_S)
         except (KafkaException, RegistryError, TimeoutError) as exc:
             log.warning(
@@ -152,8 +159,6 @@ class AnsweredBefore:
                 sum(len(replay.unchecked) for replay in unchecked.values()),
             )  # fmt: skip
             return {**checked, **unchecked}
-        finally:
-            consumer.close()
         for partition, offsets in found.items():
             unseen = partition in handed_over and partition not in reached
             window = windows[partition] if unseen else range(0)
