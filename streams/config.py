@@ -46,7 +46,7 @@ class BrokerConfig(_Frozen):
     answer before it reports them unreachable (exit 69); also the longest one connection
     attempt of a client may take."""
 
-    session_timeout_ms: int = Field(10_000, ge=6_000, le=300_000)
+    session_timeout_ms: int = Field(6_000, ge=6_000, le=300_000)
     """How long the group waits for a worker that stopped heartbeating (killed, frozen)
     before its partitions go to the others; a restarted worker waits this long at most
     to get them back (the clients' defaults are 45 s and, on Faust, 60 s)."""
