@@ -181,7 +181,7 @@ class BareConsumer:
             self._run_queued_calls()
             self._apply_bounds()
             self._marks.refresh()
-            if len(self._paused) == len(self._runners):
+            if self._every_input_at_bound:
                 # Everything paused: wait for acknowledgements instead of polling.
                 with contextlib.suppress(queue.Empty):
                     self._calls.get(timeout=0.05)()
@@ -205,7 +205,7 @@ class BareConsumer:
                 self._paused.add(topic)
             elif topic in self._paused and count <= low:
                 self._paused.discard(topic)
-        if len(self._paused) == len(self._runners):
+        if self._every_input_at_bound:
             # Nothing is polled until one resumes: librdkafka keeps what it prefetched
             # (queued.max.messages.kbytes bounds it). A pause would drop all of it, and
             # the resume fetch it again: megabytes per cycle, a third of the throughput
@@ -217,6 +217,10 @@ class BareConsumer:
         for topic in self._fetch_paused - self._paused:
             self._fetch_paused.discard(topic)
             self._pause(topic, False)
+
+    @property
+    def _every_input_at_bound(self) -> bool:
+        return len(self._paused) == len(self._runners)
 
     def _run_queued_calls(self) -> None:
         while True:
