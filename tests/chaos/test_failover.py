@@ -127,24 +127,34 @@ def test_a_killed_worker_is_replaced_within_seconds_and_nothing_is_missing(
 def test_with_the_read_back_off_what_a_killed_worker_answered_is_repeated_marked(
     chaos_deploy, kafka, sample_assets
 ):
-    # One input partition: it commits early, while most of the backlog is still ahead.
-    deployment = chaos_deploy("faust", input_partitions=1, broker={"replay_lookback_s": 0})
+    # One input partition under steady load, committed every 2 s: the kill lands between
+    # two commits, with answers written since the last one.
+    deployment = chaos_deploy(
+        "faust", input_partitions=1,
+        broker={"replay_lookback_s": 0, "commit_interval_ms": 2_000},
+    )  # fmt: skip
     topic = deployment.spec.input_topic
-    produce_events(kafka.bootstrap_servers, topic, sample_assets.world, 5_000, seed=21,
-                   prefix="marked")  # fmt: skip
+    group = deployment.config.app_id
     collector = collector_for(deployment)
+
+    def uncommitted() -> int:
+        """Inputs answered past the committed offset (0 before the first commit: a
+        partition never committed is not marked)."""
+        committed = committed_offsets(kafka.bootstrap_servers, group, topic, 1)[0]
+        return answered(collector) - committed if committed >= 0 else 0
+
+    def marked() -> bool:
+        return any(answer["redelivered"] for answer in collector.snapshot().predictions)
+
     try:
         worker = start_worker(deployment.config_file, deployment.log_file)
-        assert wait_until(lambda: answered(collector) > 500, 120), deployment.log_tail()
-        # Committed once: a partition never committed is not marked.
-        group = deployment.config.app_id
-        assert wait_until(
-            lambda: committed_offsets(kafka.bootstrap_servers, group, topic, 1)[0] >= 0, 60
-        )
-        print(f"killed after {answered(collector)} answers")
-        worker.kill()  # mid-backlog: answers written since the last commit are read again
-        worker.wait()
+        with steady_load(kafka, deployment, sample_assets.world):
+            assert wait_until(lambda: uncommitted() > 100, 120), deployment.log_tail()
+            print(f"killed after {answered(collector)} answers")
+            worker.kill()
+            worker.wait()
         with deployment.worker():
+            assert wait_until(marked, 120), deployment.log_tail()
             assert wait_until(
                 lambda: all_answered(collector, kafka.bootstrap_servers, topic), 120
             ), deployment.log_tail()
