@@ -6,10 +6,11 @@ Each test gets its own topics (a unique suffix) and removes them afterwards.
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -104,14 +105,28 @@ class Deployment:
     config: HeadraceConfig
     config_file: Path
     log_file: Path
+    started: list[subprocess.Popen] = field(default_factory=list)
 
     @property
     def spec(self):
         return self.config.pipelines[0]
 
+    def start(self, log_level: str = "warn") -> subprocess.Popen:
+        """A worker on this config; one still running when its test ends is killed."""
+        process = start_worker(self.config_file, self.log_file, log_level)
+        self.started.append(process)
+        return process
+
+    def kill_leftovers(self) -> None:
+        """Kill the workers a failed test left running (they would load the machine)."""
+        for process in self.started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
     @contextmanager
     def worker(self) -> Iterator:
-        process = start_worker(self.config_file, self.log_file)
+        process = self.start()
         try:
             yield process
         finally:
@@ -127,6 +142,7 @@ def deploy(kafka, sample_assets, tmp_path):
     """Factory: `deploy(**sample_config overrides)` creates topics and writes the config
     (with the sample fallback model unless overridden)."""
     created: list[str] = []
+    made: list[Deployment] = []
 
     def make(
         partitions: int = 3,
@@ -146,8 +162,11 @@ def deploy(kafka, sample_assets, tmp_path):
         config_file = tmp_path / f"headrace{suffix}.yaml"
         config = write_config(raw, config_file)
         created.extend(create_topics(config, partitions))
-        return Deployment(config, config_file, tmp_path / f"worker{suffix}.log")
+        made.append(Deployment(config, config_file, tmp_path / f"worker{suffix}.log"))
+        return made[-1]
 
     yield make
+    for deployment in made:
+        deployment.kill_leftovers()
     if created:
         delete_topics(kafka.bootstrap_servers, created)

@@ -170,9 +170,9 @@ def prepare_sample_assets(state_dir: Path, world: SampleWorld) -> tuple[Path, Pa
     return repo, model
 
 
-def start_worker(config_file: Path, log_file: Path) -> subprocess.Popen:
+def start_worker(config_file: Path, log_file: Path, log_level: str = "warn") -> subprocess.Popen:
     return start_process(
-        ["-m", "tools.cli", "worker", "-c", str(config_file), "-l", "warn"], log_file
+        ["-m", "tools.cli", "worker", "-c", str(config_file), "-l", log_level], log_file
     )
 
 

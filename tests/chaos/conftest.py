@@ -54,6 +54,7 @@ def chaos_deploy(kafka, sample_assets, tmp_path):
     `input_partitions` with `input_configs`; output: 3 partitions; dead letters: 1),
     answering patiently (no deadline shedding)."""
     created: list[str] = []
+    made: list[Deployment] = []
 
     def make(
         runtime: str,
@@ -76,9 +77,12 @@ def chaos_deploy(kafka, sample_assets, tmp_path):
         }
         created.extend(topics)
         create_topics(kafka.bootstrap_servers, topics)
-        return Deployment(config, config_file, tmp_path / f"worker{suffix}.log")
+        made.append(Deployment(config, config_file, tmp_path / f"worker{suffix}.log"))
+        return made[-1]
 
     yield make
+    for deployment in made:
+        deployment.kill_leftovers()
     if created:
         delete_topics(kafka.bootstrap_servers, created)
 

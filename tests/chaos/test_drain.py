@@ -13,7 +13,7 @@ from tests.chaos.conftest import outcomes_per_input
 from tests.chaos.test_failover import all_answered, answered, steady_load
 from tests.helpers import wait_until
 from tests.streams.test_worker import collector_for
-from tools.deploy import start_process, start_worker, stop_worker
+from tools.deploy import stop_worker
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +31,14 @@ def test_a_worker_stopped_under_load_drains_in_time_and_nothing_is_lost_or_repea
     try:
         with steady_load(kafka, deployment, sample_assets.world, per_s=RATE_PER_S):
             # At log level info: the worker logs its drain time.
-            arguments = ["-m", "tools.cli", "worker", "-c", str(deployment.config_file)]
-            worker = start_process([*arguments, "-l", "info"], deployment.log_file)
+            worker = deployment.start(log_level="info")
             assert wait_until(lambda: answered(collector) > 300, 120), deployment.log_tail()
             stopped_at = time.monotonic()
             worker.send_signal(signal.SIGTERM)
             code = worker.wait(deadline_s + 15)
             exit_s = time.monotonic() - stopped_at
             assert code == 0, deployment.log_tail()
-            restarted = start_worker(deployment.config_file, deployment.log_file)
+            restarted = deployment.start()
             now = answered(collector)
             assert wait_until(lambda: answered(collector) > now + 100, 60)
         assert wait_until(lambda: all_answered(collector, kafka.bootstrap_servers, topic), 60), (

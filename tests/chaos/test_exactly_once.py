@@ -16,7 +16,6 @@ from tests.helpers import wait_until
 from tests.streams.test_worker import collector_for
 from tools.audit import audit, format_report
 from tools.collector import OutcomeCollector
-from tools.deploy import start_worker
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +54,7 @@ def kill_mid_stream_and_restart(
     try:
         with ExitStack() as load:
             load.enter_context(steady_load(kafka, deployment, world, per_s=RATE_PER_S))
-            worker = start_worker(deployment.config_file, deployment.log_file)
+            worker = deployment.start()
             try:
                 # Answering, past its start-up backlog: under a quarter of a second behind.
                 assert wait_until(lambda: caught_up(reader, bootstrap, topic), 120), (

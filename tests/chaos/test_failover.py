@@ -15,7 +15,7 @@ import pytest
 from tests.chaos.conftest import input_offsets, outcomes_per_input
 from tests.helpers import committed_offsets, produce_events, wait_until
 from tests.streams.test_worker import collector_for
-from tools.deploy import group_spread, start_worker, stop_worker
+from tools.deploy import group_spread, stop_worker
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def test_a_member_that_leaves_and_rejoins_under_load_repeats_nothing(
     group = deployment.config.app_id
     try:
         with deployment.worker():
-            second = start_worker(deployment.config_file, deployment.log_file)
+            second = deployment.start()
             with steady_load(kafka, deployment, sample_assets.world):
                 assert wait_until(
                     lambda: len(group_spread(kafka.bootstrap_servers, group)) == 2, 120
@@ -71,7 +71,7 @@ def test_a_member_that_leaves_and_rejoins_under_load_repeats_nothing(
                 assert stop_worker(second) == 0  # leaves the group: the first takes over
                 now = answered(collector)
                 assert wait_until(lambda: answered(collector) > now + 300, 60)
-                second = start_worker(deployment.config_file, deployment.log_file)
+                second = deployment.start()
                 assert wait_until(
                     lambda: len(group_spread(kafka.bootstrap_servers, group)) == 2, 120
                 )
@@ -97,7 +97,7 @@ def test_a_killed_worker_is_replaced_within_seconds_and_nothing_is_missing(
     collector = collector_for(deployment)
     try:
         with steady_load(kafka, deployment, sample_assets.world):
-            worker = start_worker(deployment.config_file, deployment.log_file)
+            worker = deployment.start()
             assert wait_until(lambda: answered(collector) > 300, 120), deployment.log_tail()
             worker.kill()  # SIGKILL: no drain, no commit, the session left to expire
             worker.wait()
@@ -147,7 +147,7 @@ def test_with_the_read_back_off_what_a_killed_worker_answered_is_repeated_marked
         return any(answer["redelivered"] for answer in collector.snapshot().predictions)
 
     try:
-        worker = start_worker(deployment.config_file, deployment.log_file)
+        worker = deployment.start()
         with steady_load(kafka, deployment, sample_assets.world):
             assert wait_until(lambda: uncommitted() > 100, 120), deployment.log_tail()
             print(f"killed after {answered(collector)} answers")

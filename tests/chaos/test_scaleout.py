@@ -12,7 +12,7 @@ from tests.chaos.conftest import outcomes_per_input
 from tests.chaos.test_failover import all_answered, answered, steady_load
 from tests.helpers import wait_until
 from tests.streams.test_worker import collector_for
-from tools.deploy import group_spread, start_worker, stop_worker
+from tools.deploy import group_spread, stop_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -48,7 +48,7 @@ def test_workers_joining_and_leaving_under_load_share_the_partitions_evenly_and_
     try:
         with steady_load(kafka, deployment, sample_assets.world, per_s=RATE_PER_S):
             for count in (1, 2, 3):
-                workers.append(start_worker(deployment.config_file, deployment.log_file))
+                workers.append(deployment.start())
                 spread_becomes([PARTITIONS // count] * count)
             for count in (2, 1):
                 assert stop_worker(workers.pop()) == 0, deployment.log_tail()
