@@ -5,6 +5,7 @@ that rolls a slow canary back."""
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 from collections import defaultdict
 from datetime import datetime
@@ -79,9 +80,12 @@ def collector_for(deployment: Deployment) -> OutcomeCollector:
 
 
 def logged_at(log: str, text: str) -> datetime:
-    """When the worker wrote the first line of `log` holding `text`."""
+    """When the worker wrote the first line of `log` holding `text` (Faust's lines start
+    with the time in brackets)."""
     line = next(line for line in log.splitlines() if text in line)
-    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    stamp = re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", line)
+    assert stamp is not None, line
+    return datetime.strptime(stamp[0], "%Y-%m-%d %H:%M:%S,%f")
 
 
 def reported(deployment: Deployment, check) -> bool:
@@ -165,6 +169,7 @@ def test_deploy_switches_once_per_partition_refuses_broken_versions_and_persists
     delete_topics(bootstrap, [compacted.control.topic])
 
 
+@pytest.mark.parametrize("lifecycle", ["bare", "faust"], indirect=True)
 def test_canary_is_sticky_per_key_and_shadow_writes_one_answer_per_input(lifecycle, sample_assets):
     config, spec = lifecycle.config, lifecycle.spec
     bootstrap = config.broker.bootstrap_servers
@@ -216,6 +221,7 @@ def test_canary_is_sticky_per_key_and_shadow_writes_one_answer_per_input(lifecyc
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("lifecycle", ["bare", "faust"], indirect=True)
 def test_a_guardrail_rolls_a_slow_canary_back_within_its_window_and_serving_goes_on(
     lifecycle, sample_assets, tmp_path
 ):
