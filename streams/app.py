@@ -37,6 +37,7 @@ from streams.control import ControlFollower, ensure_control_topics
 from streams.decode import EventDecoder
 from streams.encode import AnswerEncoder, derived_schema
 from streams.errors import ConfigError
+from streams.freeze import FreezeWatch
 from streams.health import Health
 from streams.infer import Model
 from streams.logs import about, use_json_logs
@@ -421,6 +422,11 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         wired = wire_pipelines(config, publisher, resources, catalogue)
         health.warmed([parts.lookup for parts in wired.values() if parts.lookup is not None])
         follow_deployments(config, wired, resources)
+        # Frozen past the group session, the worker marks its answers until reassigned.
+        freeze = FreezeWatch(config.broker.session_timeout_ms / 1000)
+        freeze.start()
+        resources.callback(freeze.stop)
+        health.on_join(freeze.assigned)
         log.info("headrace worker ready: %d pipeline(s), %s runtime", len(wired), config.runtime)
 
         def make_runner(
@@ -436,7 +442,7 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
                 parts.pipeline, parts.decoder, in_flight, acknowledge, exit_on_fatal,
                 concurrent_inference=parts.sessions, pause=pause,
                 publish_ahead=BATCHES_AHEAD if transactions is not None else 0,
-                shadow=parts.shadow,
+                shadow=parts.shadow, unsure=freeze.unsure,
             )  # fmt: skip
 
         if config.runtime == "bare":

@@ -48,6 +48,7 @@ class Health:
         self._waiting: list[Callable[[], int]] = []
         self._warmed = False
         self._joined = False
+        self._on_join: list[Callable[[], None]] = []
         self._draining = False
         self._progress_at = clock()
         self._turned_at: float | None = None
@@ -76,6 +77,13 @@ class Health:
     def joined(self, yes: bool) -> None:
         """The consumer joined its group (an assignment came), or lost it."""
         self._joined = yes
+        if yes:
+            for listener in self._on_join:
+                listener()
+
+    def on_join(self, listener: Callable[[], None]) -> None:
+        """Call `listener` at every assignment (from the consumer's thread)."""
+        self._on_join.append(listener)
 
     def draining(self) -> None:
         self._draining = True

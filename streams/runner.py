@@ -93,8 +93,12 @@ class PipelineRunner:
         lookup_backoff_s: tuple[float, float] = LOOKUP_BACKOFF_S,
         publish_ahead: int = 0,
         shadow: ShadowScorer | None = None,
+        unsure: Callable[[], bool] | None = None,
     ) -> None:
         self.pipeline = pipeline
+        # Whether what is answered now may repeat another member's answers (the worker
+        # was frozen past its group session: `streams/freeze.py`); such answers are marked.
+        self._unsure = unsure
         self._shadow = shadow
         self._retry_delays_s = tuple(retry_delays_s)
         self.in_flight = in_flight
@@ -277,6 +281,9 @@ class PipelineRunner:
         items = self._decoder.decode_known(records, handles)
         if self._replays:
             self._mark_replayed(items)
+        if self._unsure is not None and self._unsure():
+            for item in items:
+                item.redelivered = True
         self._batcher.put(items, [item.deadline_s for item in items])
         if self._draining:
             self._batcher.flush()
@@ -374,6 +381,8 @@ class PipelineRunner:
             # Records Kafka refuses are dead-lettered by the publisher; what it retries
             # here is Kafka being unwritable for now, and each retry sends only the
             # outcomes Kafka has not acknowledged (`prepared.outgoing` keeps them).
+            if self._unsure is not None and self._unsure():
+                self._mark_unsure(batch)
             written = self._retrying(batch.records, "publish", self.pipeline.publish, prepared)
             if self._committing is None:
                 await written
@@ -382,6 +391,13 @@ class PipelineRunner:
                 # Handed over now, in order; the next batch follows while it commits.
                 committing = asyncio.ensure_future(written)
                 await self._committing.put((batch, prepared, committing, started))
+
+    def _mark_unsure(self, batch: _Batch) -> None:
+        """Mark the answers of a batch decoded before a freeze and written after it."""
+        unmarked = [item for item in batch.items if not item.redelivered]
+        for item in unmarked:
+            item.redelivered = True
+        self._metrics.redelivered.inc(len(unmarked))
 
     async def _acknowledge_committed(self) -> None:
         while True:

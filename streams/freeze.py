@@ -1,0 +1,76 @@
+"""Noticing that the worker was frozen past its group session, so that what it answers
+next is marked as a possible repeat.
+
+A worker stopped whole (SIGSTOP, a stalled VM, a swap storm) for longer than its session
+timeout is dropped from its consumer group: its partitions go to other members, which
+answer the records it had fetched. When it runs again it still holds those records, and
+its Kafka clients learn that they lost the partitions only at their next heartbeat; until
+then (and while it finishes what it held, as a revoke asks) what it answers may repeat
+what a new owner answered meanwhile, and that answer comes second. So until the next
+assignment, every answer it writes carries the `headrace.redelivered` header, as the
+replays of `streams/replay.py` do: a consumer that keeps the first answer per input
+keeps the new owner's. After the assignment the read-back of `streams/replay.py` covers
+the partitions it gets (back).
+
+A thread ticks every `TICK_S`; a gap between two ticks longer than the session timeout
+less one heartbeat interval is a freeze (a member whose last heartbeat came just before
+the freeze is dropped that much sooner). Asked before the thread has ticked again after
+a freeze, its stale tick says the same. A blocked event loop is not a freeze: the Kafka
+clients heartbeat from their own threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.1
+HEARTBEATS_PER_SESSION = 5
+"""Both runtimes heartbeat every fifth of the session timeout (`streams/consumers`)."""
+
+
+class FreezeWatch:
+    """`unsure()`: frozen past the session since the last assignment (`assigned()`)."""
+
+    def __init__(self, session_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.threshold_s = session_timeout_s * (1 - 1 / HEARTBEATS_PER_SESSION)
+        self._clock = clock
+        self._last_tick = clock()
+        self._frozen = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="freeze-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def tick(self) -> None:
+        now = self._clock()
+        gap_s = now - self._last_tick
+        if gap_s > self.threshold_s:
+            # Before the tick moves on: `unsure()` must never read a fresh tick alone.
+            self._frozen = True
+            log.warning(
+                "the worker was frozen for %.1f s, past its group session: its partitions "
+                "may have been answered by another member meanwhile; its answers carry "
+                "headrace.redelivered until its next assignment", gap_s,
+            )  # fmt: skip
+        self._last_tick = now
+
+    def unsure(self) -> bool:
+        """Whether answers written now may repeat another member's (any thread)."""
+        return self._frozen or self._clock() - self._last_tick > self.threshold_s
+
+    def assigned(self) -> None:
+        """The consumer got an assignment: its group membership is current again."""
+        self._frozen = False
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_S):
+            self.tick()

@@ -1,0 +1,63 @@
+"""A worker frozen past its session (SIGSTOP: a stalled VM, a swap storm) loses its
+partitions to the rest of the group; when it runs again, what it answers that the new
+owner answered already is marked `headrace.redelivered`, and comes second."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from tests.chaos.test_failover import all_answered, answered, steady_load
+from tests.helpers import wait_until
+from tests.streams.test_worker import collector_for
+from tools.deploy import group_spread, stop_worker
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("runtime", ["bare", "faust"])
+def test_what_a_worker_frozen_past_its_session_answers_again_is_marked(
+    chaos_deploy, kafka, sample_assets, runtime
+):
+    deployment = chaos_deploy(runtime)
+    topic = deployment.spec.input_topic
+    group = deployment.config.app_id
+    frozen_s = deployment.config.broker.session_timeout_ms / 1000 + 4
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker():
+            zombie = deployment.start()
+            with steady_load(kafka, deployment, sample_assets.world):
+                assert wait_until(
+                    lambda: len(group_spread(kafka.bootstrap_servers, group)) == 2, 120
+                ), deployment.log_tail()
+                assert wait_until(lambda: answered(collector) > 300, 120), deployment.log_tail()
+                zombie.send_signal(signal.SIGSTOP)
+                time.sleep(frozen_s)  # the fault itself: frozen past the session timeout
+                zombie.send_signal(signal.SIGCONT)
+                now = answered(collector)
+                assert wait_until(lambda: answered(collector) > now + 300, 60)
+            assert wait_until(
+                lambda: all_answered(collector, kafka.bootstrap_servers, topic), 60
+            ), deployment.log_tail()
+            assert stop_worker(zombie) == 0, deployment.log_tail()
+        answers = collector.snapshot().predictions
+    finally:
+        collector.stop()
+    # An input's answers share its key, so its output partition: read in written order.
+    seen, later, unmarked = set(), [], Counter()
+    for answer in answers:
+        where = (answer["input_partition"], answer["input_offset"])
+        unmarked[where] += not answer["redelivered"]
+        if where in seen:
+            later.append(answer)
+        seen.add(where)
+    print(f"{runtime}: frozen {frozen_s:.0f} s; {len(seen)} inputs, {len(later)} answered "
+          f"again, {sum(a['redelivered'] for a in answers)} answers marked")  # fmt: skip
+    # A consumer that keeps the first answer per input and looks the marked ones up
+    # never sees a repeat: every later answer is marked.
+    assert all(answer["redelivered"] for answer in later)
+    assert max(unmarked.values()) == 1

@@ -1,0 +1,46 @@
+"""The freeze watch: a gap between ticks past the session marks answers until the next
+assignment, whichever of the tick and the question comes first after the freeze."""
+
+from __future__ import annotations
+
+from streams.freeze import FreezeWatch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ticks_closer_than_the_session_leave_answers_unmarked():
+    clock = Clock()
+    watch = FreezeWatch(session_timeout_s=6.0, clock=clock)
+    for _ in range(100):
+        clock.now += 0.5
+        watch.tick()
+        assert not watch.unsure()
+
+
+def test_a_freeze_is_seen_before_the_watch_ticks_again_and_lasts_until_an_assignment():
+    clock = Clock()
+    watch = FreezeWatch(session_timeout_s=6.0, clock=clock)
+    clock.now += 5.0  # past the session less one heartbeat interval (4.8 s)
+    assert watch.unsure()  # asked first: the stale tick tells
+    watch.tick()
+    assert watch.unsure()  # ticked since: the freeze is remembered
+    clock.now += 0.1
+    watch.tick()
+    assert watch.unsure()
+    watch.assigned()
+    assert not watch.unsure()
+
+
+def test_a_pause_shorter_than_the_session_less_a_heartbeat_is_not_a_freeze():
+    clock = Clock()
+    watch = FreezeWatch(session_timeout_s=6.0, clock=clock)
+    clock.now += 4.5
+    assert not watch.unsure()
+    watch.tick()
+    assert not watch.unsure()
