@@ -43,6 +43,24 @@ def steady_load(kafka, deployment, world, per_s: int = 150) -> Iterator[None]:
         sender.join(60)
 
 
+def repeats_marked(answers: list[dict]) -> list[dict]:
+    """The answers of inputs answered before, in written order (an input's answers share
+    its key, so its output partition), after checking that each is marked: a consumer
+    that keeps the first answer per input and looks the marked ones up sees no repeat."""
+    later, unmarked, seen = [], Counter(), set()
+    for answer in answers:
+        where = (answer["input_partition"], answer["input_offset"])
+        unmarked[where] += not answer["redelivered"]
+        if where in seen:
+            later.append(answer)
+        seen.add(where)
+    print(f"{len(later)} repeats of {len(seen)} inputs; "
+          f"{sum(a['redelivered'] for a in answers)} answers marked")  # fmt: skip
+    assert all(answer["redelivered"] for answer in later)
+    assert max(unmarked.values(), default=0) <= 1  # one unmarked answer per input at most
+    return later
+
+
 def all_answered(collector, bootstrap: str, topic: str) -> bool:
     counts = outcomes_per_input(collector.snapshot(), topic)
     return input_offsets(bootstrap, topic) <= set(counts)
@@ -161,17 +179,5 @@ def test_with_the_read_back_off_what_a_killed_worker_answered_is_repeated_marked
         answers = collector.snapshot().predictions
     finally:
         collector.stop()
-    # An input's answers share its key, so its output partition: read in written order.
-    unmarked, later = Counter(), []
-    seen = set()
-    for answer in answers:
-        where = (answer["input_partition"], answer["input_offset"])
-        unmarked[where] += not answer["redelivered"]
-        if where in seen:
-            later.append(answer)
-        seen.add(where)
-    print(f"{len(later)} repeats of {len(seen)} inputs; "
-          f"{sum(a['redelivered'] for a in answers)} answers marked")  # fmt: skip
+    later = repeats_marked(answers)
     assert later, "the kill left nothing answered and uncommitted: nothing was tested"
-    assert all(answer["redelivered"] for answer in later)
-    assert max(unmarked.values()) == 1  # one unmarked answer per input at most
