@@ -423,7 +423,8 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         health.warmed([parts.lookup for parts in wired.values() if parts.lookup is not None])
         follow_deployments(config, wired, resources)
         # Frozen past the group session, the worker marks its answers until reassigned.
-        freeze = FreezeWatch(config.broker.session_timeout_ms / 1000)
+        broker = config.broker
+        freeze = FreezeWatch(broker.session_timeout_ms / 1000, broker.heartbeat_interval_ms / 1000)
         freeze.start()
         resources.callback(freeze.stop)
         health.on_join(freeze.assigned)

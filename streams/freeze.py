@@ -29,15 +29,18 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
-HEARTBEATS_PER_SESSION = 5
-"""Both runtimes heartbeat every fifth of the session timeout (`streams/consumers`)."""
 
 
 class FreezeWatch:
     """`unsure()`: frozen past the session since the last assignment (`assigned()`)."""
 
-    def __init__(self, session_timeout_s: float, clock: Callable[[], float] = time.monotonic):
-        self.threshold_s = session_timeout_s * (1 - 1 / HEARTBEATS_PER_SESSION)
+    def __init__(
+        self,
+        session_timeout_s: float,
+        heartbeat_interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.threshold_s = session_timeout_s - heartbeat_interval_s
         self._clock = clock
         self._last_tick = clock()
         self._frozen = False

@@ -281,9 +281,7 @@ class PipelineRunner:
         items = self._decoder.decode_known(records, handles)
         if self._replays:
             self._mark_replayed(items)
-        if self._unsure is not None and self._unsure():
-            for item in items:
-                item.redelivered = True
+        self._mark_unsure(items)  # counted with the replays' marks, as they are prepared
         self._batcher.put(items, [item.deadline_s for item in items])
         if self._draining:
             self._batcher.flush()
@@ -381,8 +379,8 @@ class PipelineRunner:
             # Records Kafka refuses are dead-lettered by the publisher; what it retries
             # here is Kafka being unwritable for now, and each retry sends only the
             # outcomes Kafka has not acknowledged (`prepared.outgoing` keeps them).
-            if self._unsure is not None and self._unsure():
-                self._mark_unsure(batch)
+            if marked := self._mark_unsure(batch.items):  # decoded before a freeze
+                self._metrics.redelivered.inc(marked)
             written = self._retrying(batch.records, "publish", self.pipeline.publish, prepared)
             if self._committing is None:
                 await written
@@ -392,12 +390,15 @@ class PipelineRunner:
                 committing = asyncio.ensure_future(written)
                 await self._committing.put((batch, prepared, committing, started))
 
-    def _mark_unsure(self, batch: _Batch) -> None:
-        """Mark the answers of a batch decoded before a freeze and written after it."""
-        unmarked = [item for item in batch.items if not item.redelivered]
+    def _mark_unsure(self, items: Sequence[Item]) -> int:
+        """While the worker may have been frozen past its session, mark what it answers
+        `headrace.redelivered`; returns how many were not marked already."""
+        if self._unsure is None or not self._unsure():
+            return 0
+        unmarked = [item for item in items if not item.redelivered]
         for item in unmarked:
             item.redelivered = True
-        self._metrics.redelivered.inc(len(unmarked))
+        return len(unmarked)
 
     async def _acknowledge_committed(self) -> None:
         while True:

@@ -77,7 +77,7 @@ class BareConsumer:
                 "auto.commit.interval.ms": config.broker.commit_interval_ms,
                 "partition.assignment.strategy": "cooperative-sticky",
                 "session.timeout.ms": config.broker.session_timeout_ms,
-                "heartbeat.interval.ms": config.broker.session_timeout_ms // 5,
+                "heartbeat.interval.ms": config.broker.heartbeat_interval_ms,
                 **(
                     {"group.instance.id": config.broker.instance_id}
                     if config.broker.instance_id

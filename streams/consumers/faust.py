@@ -75,7 +75,7 @@ def _serve(
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=config.broker.commit_interval_ms / 1000,
         broker_session_timeout=config.broker.session_timeout_ms / 1000,
-        broker_heartbeat_interval=config.broker.session_timeout_ms / 5000,
+        broker_heartbeat_interval=config.broker.heartbeat_interval_ms / 1000,
         consumer_group_instance_id=config.broker.instance_id,
         # A fetch is handed to an agent whole: its size bounds how far a chunk can go
         # past the in-flight bound (as the confluent runtime's chunk does).

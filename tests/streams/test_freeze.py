@@ -16,7 +16,7 @@ class Clock:
 
 def test_ticks_closer_than_the_session_leave_answers_unmarked():
     clock = Clock()
-    watch = FreezeWatch(session_timeout_s=6.0, clock=clock)
+    watch = FreezeWatch(session_timeout_s=6.0, heartbeat_interval_s=1.2, clock=clock)
     for _ in range(100):
         clock.now += 0.5
         watch.tick()
@@ -25,7 +25,7 @@ def test_ticks_closer_than_the_session_leave_answers_unmarked():
 
 def test_a_freeze_is_seen_before_the_watch_ticks_again_and_lasts_until_an_assignment():
     clock = Clock()
-    watch = FreezeWatch(session_timeout_s=6.0, clock=clock)
+    watch = FreezeWatch(session_timeout_s=6.0, heartbeat_interval_s=1.2, clock=clock)
     clock.now += 5.0  # past the session less one heartbeat interval (4.8 s)
     assert watch.unsure()  # asked first: the stale tick tells
     watch.tick()
@@ -39,7 +39,7 @@ def test_a_freeze_is_seen_before_the_watch_ticks_again_and_lasts_until_an_assign
 
 def test_a_pause_shorter_than_the_session_less_a_heartbeat_is_not_a_freeze():
     clock = Clock()
-    watch = FreezeWatch(session_timeout_s=6.0, clock=clock)
+    watch = FreezeWatch(session_timeout_s=6.0, heartbeat_interval_s=1.2, clock=clock)
     clock.now += 4.5
     assert not watch.unsure()
     watch.tick()
