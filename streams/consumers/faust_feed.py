@@ -33,6 +33,8 @@ from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, Message
 from faust.utils import terminal
+from mode import Service
+from mode.utils.futures import maybe_async
 
 # Chunks waiting for an agent: one being fetched while one is handed over.
 FEED_CHUNKS = 2
@@ -59,7 +61,16 @@ faust_consumer.terminal = _TerminalWithoutTables()
 
 
 class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
-    """Faust's aiokafka consumer thread with fetch waits chosen by load.
+    """Faust's aiokafka consumer, run on the worker's own event loop, with fetch waits
+    chosen by load.
+
+    Faust runs aiokafka in a thread with an event loop of its own and hands every call
+    (each fetch, each commit) across with two cross-thread wake-ups, and the keepalive
+    timers of both loops tick besides. On two cores that was 0.15 cores at 100 events/s,
+    most of it waking threads. aiokafka is asyncio code: here it runs on the loop that
+    consumes its fetches, and a call is a plain await. The class stays Faust's service
+    (its rebalance listener, commit and seek code are unchanged); only how it starts,
+    stops and is called differs.
 
     Faust hard-codes `fetch_max_wait_ms=1500` with aiokafka's `fetch_min_bytes=1`: the
     broker answers each fetch as soon as one record is there, and aiokafka's fetch round
@@ -72,6 +83,24 @@ class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
     """
 
     busy = False
+
+    def __init__(self, consumer: Any, *, loop: asyncio.AbstractEventLoop, **kwargs: Any):
+        super().__init__(consumer, loop=loop, thread_loop=loop, **kwargs)
+
+    async def start(self) -> None:  # a plain service's start: no thread
+        self._thread_started.set()
+        await Service.start(self)
+
+    async def stop(self) -> None:
+        if self._started.is_set() and not self._stopped.is_set():
+            self._stopped.set()
+            await self.on_stop()
+            # What Faust's thread runs as it ends: aiokafka's stop, children, futures.
+            await self._shutdown_thread()
+            await self.on_shutdown()
+
+    async def call_thread(self, fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await maybe_async(fun(*args, **kwargs))
 
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
