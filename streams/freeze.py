@@ -15,12 +15,16 @@ the partitions it gets (back).
 A thread ticks every `TICK_S`; a gap between two ticks longer than the session timeout
 less one heartbeat interval is a freeze (a member whose last heartbeat came just before
 the freeze is dropped that much sooner). Asked before the thread has ticked again after
-a freeze, its stale tick says the same. A blocked event loop is not a freeze: the Kafka
-clients heartbeat from their own threads.
+a freeze, its stale tick says the same. Where the consumer heartbeats from the event
+loop (the Faust runtime runs aiokafka on it), a loop blocked that long loses the
+partitions the same way: `watch_loop` ticks from the loop, and a gap there counts too.
+The bare runtime's librdkafka heartbeats from its own threads, so it does not watch
+its loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -29,6 +33,8 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
+# The loop's tick: a freeze is seconds long; two wake-ups a second of an idle worker.
+LOOP_TICK_S = 0.5
 
 
 class FreezeWatch:
@@ -43,6 +49,7 @@ class FreezeWatch:
         self.threshold_s = session_timeout_s - heartbeat_interval_s
         self._clock = clock
         self._last_tick = clock()
+        self._last_loop_tick: float | None = None  # while `watch_loop` runs
         self._frozen = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="freeze-watch", daemon=True)
@@ -54,21 +61,40 @@ class FreezeWatch:
         self._stop.set()
 
     def tick(self) -> None:
+        self._last_tick = self._ticked(self._last_tick, "the worker was frozen")
+
+    async def watch_loop(self) -> None:
+        """Tick from the running event loop, for as long as it runs (a task)."""
+        self._last_loop_tick = self._clock()
+        try:
+            while True:
+                await asyncio.sleep(LOOP_TICK_S)
+                self._last_loop_tick = self._ticked(
+                    self._last_loop_tick, "the worker's event loop, which heartbeats, was blocked"
+                )  # fmt: skip
+        finally:
+            self._last_loop_tick = None
+
+    def _ticked(self, last_tick: float, what: str) -> float:
         now = self._clock()
-        gap_s = now - self._last_tick
+        gap_s = now - last_tick
         if gap_s > self.threshold_s:
             # Before the tick moves on: `unsure()` must never read a fresh tick alone.
             self._frozen = True
             log.warning(
-                "the worker was frozen for %.1f s, past its group session: its partitions "
-                "may have been answered by another member meanwhile; its answers carry "
-                "headrace.redelivered until its next assignment", gap_s,
+                "%s for %.1f s, past its group session: its partitions may have been "
+                "answered by another member meanwhile; its answers carry "
+                "headrace.redelivered until its next assignment", what, gap_s,
             )  # fmt: skip
-        self._last_tick = now
+        return now
 
     def unsure(self) -> bool:
         """Whether answers written now may repeat another member's (any thread)."""
-        return self._frozen or self._clock() - self._last_tick > self.threshold_s
+        if self._frozen:
+            return True
+        now, loop_tick = self._clock(), self._last_loop_tick
+        stale_loop = loop_tick is not None and now - loop_tick > self.threshold_s
+        return stale_loop or now - self._last_tick > self.threshold_s
 
     def assigned(self) -> None:
         """The consumer got an assignment: its group membership is current again."""

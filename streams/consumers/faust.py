@@ -28,6 +28,7 @@ from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.consumers.faust_feed import FeedApp
 from streams.drain import DrainDeadline
+from streams.freeze import FreezeWatch
 from streams.health import Health
 from streams.lag import REFRESH_S, InputProgress, refresh_faust
 from streams.logs import faust_json_logging
@@ -42,13 +43,14 @@ def serve(
     health: Health,
     log_level: str,
     answered_before: AnsweredBefore | None = None,
+    freeze: FreezeWatch | None = None,
 ) -> None:
     """Run a Faust worker until SIGTERM or SIGINT (Faust handles both, stopping within
     `drain_timeout_s`)."""
     # Faust insists on a data directory, which its in-memory tables leave empty but for a
     # version stamp: one per worker start, removed when it stops (kept only by a kill -9).
     with tempfile.TemporaryDirectory(prefix="headrace-faust-", ignore_cleanup_errors=True) as data:
-        _serve(config, make_runner, health, log_level, answered_before, data)
+        _serve(config, make_runner, health, log_level, answered_before, freeze, data)
 
 
 def _serve(
@@ -57,6 +59,7 @@ def _serve(
     health: Health,
     log_level: str,
     answered_before: AnsweredBefore | None,
+    freeze: FreezeWatch | None,
     datadir: str,
 ) -> None:
     app = FeedApp(
@@ -97,6 +100,11 @@ def _serve(
         health.joined(True)
         if checks is not None and assigned:
             checks.start(assigned)
+
+    if freeze is not None:
+        # aiokafka heartbeats from this loop (`faust_feed`): blocked past the session, the
+        # worker loses its partitions as a frozen one does.
+        app.task(freeze.watch_loop)
 
     @app.timer(REFRESH_S)
     async def consumer_lag() -> None:

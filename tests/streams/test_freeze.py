@@ -3,6 +3,8 @@ assignment, whichever of the tick and the question comes first after the freeze.
 
 from __future__ import annotations
 
+import asyncio
+
 from streams.freeze import FreezeWatch
 
 
@@ -44,3 +46,34 @@ def test_a_pause_shorter_than_the_session_less_a_heartbeat_is_not_a_freeze():
     assert not watch.unsure()
     watch.tick()
     assert not watch.unsure()
+
+
+async def test_an_event_loop_blocked_past_the_session_counts_as_a_freeze():
+    # The Faust runtime heartbeats from its event loop: a blocked loop loses the group
+    # session while the watch's own thread goes on ticking.
+    clock = Clock()
+    watch = FreezeWatch(session_timeout_s=6.0, heartbeat_interval_s=1.2, clock=clock)
+    watching = asyncio.create_task(watch.watch_loop())
+    await asyncio.sleep(0)  # the loop's first tick
+    for _ in range(10):  # the watch's thread ticks on through 5 s
+        clock.now += 0.5
+        watch.tick()
+    assert watch.unsure()  # asked before the loop ticked again: its stale tick tells
+    watching.cancel()
+    await asyncio.gather(watching, return_exceptions=True)
+    assert not watch.unsure()  # no longer watched: a quiet loop is not a freeze
+
+
+async def test_a_loop_that_goes_round_is_not_a_freeze():
+    clock = Clock()
+    watch = FreezeWatch(session_timeout_s=6.0, heartbeat_interval_s=1.2, clock=clock)
+    watching = asyncio.create_task(watch.watch_loop())
+    try:
+        await asyncio.sleep(0)
+        for _ in range(9):
+            clock.now += 0.5
+            watch.tick()
+        assert not watch.unsure()
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
