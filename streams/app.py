@@ -463,6 +463,10 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         quiet_repeats(["aiokafka", "faust", "mode"])
         heap.settle_heap()
         faust.serve(
-            config, make_runner, health, log_level, answered_before_check(config, catalogue),
+            config,
+            make_runner,
+            health,
+            log_level,
+            answered_before_check(config, catalogue),
             freeze,
         )
