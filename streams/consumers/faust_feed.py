@@ -6,7 +6,7 @@ wraps four asyncio tasks around every record, and its conductor then builds an
 `Event` and queues it for the agent's stream. That costs 60-85 µs of CPU per event on
 these machines before any pipeline work (DESIGN.md), and the pipeline batches anyway.
 
-`BulkConsumer` keeps Faust's consumer (group membership, assignment, the fetch thread,
+`BulkConsumer` keeps Faust's consumer (group membership, assignment, aiokafka fetching,
 flow control on rebalance, committing what was acked) and replaces only that loop:
 each fetch (`getmany`) is split by topic, and the records of a pipeline's input topic
 go to its agent as one chunk through a small bounded queue (`FeedApp.take`). The
