@@ -102,6 +102,28 @@ class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
     async def call_thread(self, fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await maybe_async(fun(*args, **kwargs))
 
+    async def _commit(self, offsets: Any) -> bool:
+        """Faust's commit, given up once the consumer is closed. Faust closes it when a
+        rebalance begins while the worker stops (the group has moved on: say, the loop
+        was blocked past the session), and aiokafka would then retry the stop's commit
+        for ever, for a coordinator it no longer looks up. What is not committed is
+        answered again by the partitions' next owner."""
+        coordinator = getattr(self._ensure_consumer(), "_coordinator", None)
+        if coordinator is None:
+            return await super()._commit(offsets)
+        closing: asyncio.Future = coordinator._closing
+        commit = asyncio.ensure_future(super()._commit(offsets))
+        try:
+            await asyncio.wait({commit, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not commit.done():
+                commit.cancel()
+                await asyncio.wait({commit})
+        if commit.cancelled():
+            self.log.warning("consumer closed by a rebalance while stopping: not committing")
+            return False
+        return commit.result()
+
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
         # Read by aiokafka when the consumer starts (its fetcher's first settings).
