@@ -250,6 +250,11 @@ class RecentTimes:
         rank = math.ceil(self.quantile * len(self._sorted)) - 1
         return self._sorted[min(len(self._sorted) - 1, rank)]
 
+    def expires_s(self) -> float:
+        """When the oldest sample kept leaves the window (and the bound may change);
+        infinity when none is kept."""
+        return self._samples[0][0] + self.window_s if self._samples else math.inf
+
     def _forget(self) -> None:
         _, seconds = self._samples.popleft()
         del self._sorted[bisect_left(self._sorted, seconds)]
@@ -263,6 +268,11 @@ class SizedTimes:
         self._window_s = window_s
         self._quantile = quantile
         self._buckets: dict[int, RecentTimes] = {}
+        # The last bounds computed, good until a measurement comes or one leaves the
+        # window: they are asked for several times per batch, and recomputing them each
+        # time was a tenth of the worker's CPU at light load.
+        self._bounds: Callable[[int], float] | None = None
+        self._bounds_until_s = -math.inf
 
     def observe(self, size: int, seconds: float, now_s: float) -> None:
         bucket = size_bucket(size)
@@ -270,13 +280,20 @@ class SizedTimes:
         if times is None:
             times = self._buckets[bucket] = RecentTimes(self._window_s, self._quantile)
         times.observe(seconds, now_s)
+        self._bounds = None
 
     def bounds(self, now_s: float) -> Callable[[int], float]:
         """Seconds for a batch of a given size, as of `now_s` (0 when nothing was
         measured lately). Computed once here: admission asks it for every event."""
+        if self._bounds is not None and now_s < self._bounds_until_s:
+            return self._bounds
         measured = {b: t.bound(now_s) for b, t in self._buckets.items()}
         measured = {b: seconds for b, seconds in measured.items() if seconds > 0}
-        return lambda size: scaled_from_nearest(measured, size)
+        self._bounds_until_s = min(
+            (t.expires_s() for t in self._buckets.values()), default=math.inf
+        )
+        self._bounds = lambda size: scaled_from_nearest(measured, size)
+        return self._bounds
 
 
 class CompletionModel:

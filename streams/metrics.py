@@ -273,8 +273,12 @@ def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
     if not amounts:
         return
     # Bucket i counts amounts <= bounds[i] and above the bound before it, like `observe`.
-    for index, count in Tally(bisect_left(bounds, amount) for amount in amounts).items():
-        buckets[index].inc(count)
+    if len(amounts) <= 2:  # light load: a tally costs more than two increments
+        for amount in amounts:
+            buckets[bisect_left(bounds, amount)].inc(1)
+    else:
+        for index, count in Tally(bisect_left(bounds, amount) for amount in amounts).items():
+            buckets[index].inc(count)
     histogram._sum.inc(sum(amounts))
 
 

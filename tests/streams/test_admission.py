@@ -16,6 +16,7 @@ from streams.admit import (
     Ladder,
     RecentTimes,
     Route,
+    SizedTimes,
 )
 
 BUDGET_S = 0.100
@@ -115,6 +116,16 @@ def test_an_urgent_event_limits_how_many_join_it():
     # Urgent alone: 10 ms; with one more: 15 ms; with two: 20 ms, past its 16 ms.
     assert [d.route for d in decisions] == [Route.FULL, Route.FULL, Route.FALLBACK, Route.FALLBACK]
     assert decisions[2].reason == DEADLINE_AT_RISK
+
+
+def test_batch_time_bounds_follow_new_measurements_and_forget_old_ones():
+    times = SizedTimes(window_s=1.0, quantile=1.0)
+    times.observe(size=4, seconds=0.010, now_s=0.0)
+    assert times.bounds(0.5)(4) == pytest.approx(0.010)
+    times.observe(size=4, seconds=0.030, now_s=0.6)  # a new measurement counts at once
+    assert times.bounds(0.7)(4) == pytest.approx(0.030)
+    assert times.bounds(1.2)(8) == pytest.approx(0.060)  # scaled from the nearest size
+    assert times.bounds(1.7)(4) == 0.0  # both left the window: nothing measured lately
 
 
 def simulate(offered_per_capacity: float, seconds: float = 20.0) -> dict:
