@@ -1,0 +1,65 @@
+"""A broker killed (SIGKILL) under load and started again: the worker rides the outage
+out without exiting, answers again soon after the broker is back, and no input is left
+unanswered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.chaos.conftest import outcomes_per_input
+from tests.chaos.test_failover import all_answered, answered, steady_load
+from tests.helpers import wait_until
+from tests.streams.test_worker import collector_for
+
+pytestmark = pytest.mark.integration
+
+# How long the broker stays down: past the group session (6 s), so the worker's
+# membership lapses too, and well within what a producer buffers.
+OUTAGE_S = 10
+
+
+def kill_broker(kafka) -> None:
+    """SIGKILL: no controlled shutdown, nothing flushed by the broker itself."""
+    pid = kafka.process.pid()
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    assert wait_until(lambda: kafka.process.pid() is None, 30)
+
+
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_a_worker_rides_out_a_broker_crash_and_nothing_goes_unanswered(
+    chaos_deploy, kafka, sample_assets, runtime
+):
+    deployment = chaos_deploy(runtime)
+    topic = deployment.spec.input_topic
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker() as worker:
+            with steady_load(kafka, deployment, sample_assets.world, per_s=100):
+                assert wait_until(lambda: answered(collector) > 200, 120), deployment.log_tail()
+                kill_broker(kafka)
+                try:
+                    time.sleep(OUTAGE_S)  # the fault itself, not a wait for anything
+                finally:
+                    kafka.start()
+                back_at = time.monotonic()
+                before = answered(collector)
+                assert wait_until(lambda: answered(collector) > before + 200, 90), (
+                    deployment.log_tail()
+                )
+                resumed_after_s = time.monotonic() - back_at
+                assert worker.poll() is None, deployment.log_tail()
+            assert wait_until(
+                lambda: all_answered(collector, kafka.bootstrap_servers, topic), 90
+            ), deployment.log_tail()
+        counts = outcomes_per_input(collector.snapshot(), topic)
+        repeats = sum(n - 1 for n in counts.values())
+        print(f"{runtime}: answering again {resumed_after_s:.1f} s after the broker was "
+              f"back; {repeats} repeats of {len(counts)} inputs")  # fmt: skip
+        assert resumed_after_s < 60
+    finally:
+        collector.stop()
