@@ -83,6 +83,7 @@ class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
     """
 
     busy = False
+    gave_up_commits = False
 
     def __init__(self, consumer: Any, *, loop: asyncio.AbstractEventLoop, **kwargs: Any):
         super().__init__(consumer, loop=loop, thread_loop=loop, **kwargs)
@@ -120,7 +121,9 @@ class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
                 commit.cancel()
                 await asyncio.wait({commit})
         if commit.cancelled():
-            self.log.warning("consumer closed by a rebalance while stopping: not committing")
+            if not self.gave_up_commits:  # Faust's commit timer keeps asking until it stops
+                self.log.warning("consumer closed by a rebalance while stopping: not committing")
+                self.gave_up_commits = True
             return False
         return commit.result()
 
