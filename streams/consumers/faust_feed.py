@@ -39,7 +39,7 @@ from mode.utils.futures import maybe_async
 # Chunks waiting for an agent: one being fetched while one is handed over.
 FEED_CHUNKS = 2
 # Fetches answered on the first byte (idle and light load), and the record count of a
-# fetch from which the broker config's batching wait applies (see `_FetchThread`).
+# fetch from which the broker config's batching wait applies (see `_LoopConsumer`).
 IDLE_FETCH = (500, 1)
 BUSY_FETCH_RECORDS = 8
 
@@ -60,7 +60,7 @@ class _TerminalWithoutTables:
 faust_consumer.terminal = _TerminalWithoutTables()
 
 
-class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
+class _LoopConsumer(faust_aiokafka.AIOKafkaConsumerThread):
     """Faust's aiokafka consumer, run on the worker's own event loop, with fetch waits
     chosen by load.
 
@@ -148,8 +148,8 @@ class _FetchThread(faust_aiokafka.AIOKafkaConsumerThread):
 class BulkConsumer(faust_aiokafka.Consumer):
     """Faust's aiokafka consumer whose fetch loop hands over whole fetches."""
 
-    def _new_consumer_thread(self) -> _FetchThread:
-        return _FetchThread(self, loop=self.loop, beacon=self.beacon)
+    def _new_consumer_thread(self) -> _LoopConsumer:
+        return _LoopConsumer(self, loop=self.loop, beacon=self.beacon)
 
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - Faust's loop
         feeds: dict[str, asyncio.Queue] = self.app.feeds
