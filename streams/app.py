@@ -428,6 +428,7 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
         freeze.start()
         resources.callback(freeze.stop)
         health.on_join(freeze.assigned)
+        health.on_revoke(freeze.revoked)
         log.info("headrace worker ready: %d pipeline(s), %s runtime", len(wired), config.runtime)
 
         def make_runner(

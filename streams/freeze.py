@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +52,12 @@ class FreezeWatch:
         self._last_tick = clock()
         self._last_loop_tick: float | None = None  # while `watch_loop` runs
         self._frozen = False
+        # The last tick before the latest freeze, and when partitions were last revoked:
+        # only an assignment after a revoke since the freeze renews the membership (one
+        # frozen in the middle of a rebalance is handed that rebalance's stale assignment
+        # as it wakes, from a generation the group has left behind).
+        self._frozen_since = -math.inf
+        self._revoked_at = -math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="freeze-watch", daemon=True)
 
@@ -80,6 +87,7 @@ class FreezeWatch:
         gap_s = now - last_tick
         if gap_s > self.threshold_s:
             # Before the tick moves on: `unsure()` must never read a fresh tick alone.
+            self._frozen_since = max(self._frozen_since, last_tick)
             self._frozen = True
             log.warning(
                 "%s for %.1f s, past its group session: its partitions may have been "
@@ -96,9 +104,15 @@ class FreezeWatch:
         stale_loop = loop_tick is not None and now - loop_tick > self.threshold_s
         return stale_loop or now - self._last_tick > self.threshold_s
 
+    def revoked(self) -> None:
+        """The consumer's partitions were revoked (or lost): it is rejoining its group."""
+        self._revoked_at = self._clock()
+
     def assigned(self) -> None:
-        """The consumer got an assignment: its group membership is current again."""
-        self._frozen = False
+        """The consumer got an assignment: after a revoke since the freeze, its group
+        membership is current again."""
+        if self._revoked_at > self._frozen_since:
+            self._frozen = False
 
     def _run(self) -> None:
         while not self._stop.wait(TICK_S):

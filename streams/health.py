@@ -49,6 +49,7 @@ class Health:
         self._warmed = False
         self._joined = False
         self._on_join: list[Callable[[], None]] = []
+        self._on_revoke: list[Callable[[], None]] = []
         self._draining = False
         self._progress_at = clock()
         self._turned_at: float | None = None
@@ -84,6 +85,15 @@ class Health:
     def on_join(self, listener: Callable[[], None]) -> None:
         """Call `listener` at every assignment (from the consumer's thread)."""
         self._on_join.append(listener)
+
+    def revoked(self) -> None:
+        """The consumer's partitions were revoked or lost (a rebalance began)."""
+        for listener in self._on_revoke:
+            listener()
+
+    def on_revoke(self, listener: Callable[[], None]) -> None:
+        """Call `listener` at every revocation (from the consumer's thread)."""
+        self._on_revoke.append(listener)
 
     def draining(self) -> None:
         self._draining = True

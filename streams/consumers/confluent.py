@@ -283,6 +283,7 @@ class BareConsumer:
         """Poll thread, inside `poll`, before `partitions` go to another member: wait
         for the runners to write what was handed over from them (their acks arrive as
         queued calls), then commit, so the next owner starts after the last answer."""
+        self._health.revoked()
         revoked = [(tp.topic, tp.partition) for tp in partitions]
         self._give_up_held(revoked)
         deadline = time.monotonic() + self._revoke_timeout_s

@@ -95,6 +95,10 @@ def _serve(
         if checks is not None:
             checks.runners[spec.input_topic] = runner
 
+    @app.on_partitions_revoked.connect
+    async def left(_app, revoked, **_kwargs) -> None:
+        health.revoked()
+
     @app.on_partitions_assigned.connect
     async def joined(_app, assigned, **_kwargs) -> None:
         health.joined(True)

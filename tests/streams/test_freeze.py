@@ -1,5 +1,6 @@
 """The freeze watch: a gap between ticks past the session marks answers until the next
-assignment, whichever of the tick and the question comes first after the freeze."""
+assignment after a revoke, whichever of the tick and the question comes first after the
+freeze."""
 
 from __future__ import annotations
 
@@ -35,6 +36,21 @@ def test_a_freeze_is_seen_before_the_watch_ticks_again_and_lasts_until_an_assign
     clock.now += 0.1
     watch.tick()
     assert watch.unsure()
+    watch.revoked()  # the consumer rejoins its group
+    watch.assigned()
+    assert not watch.unsure()
+
+
+def test_an_assignment_from_a_rebalance_begun_before_the_freeze_does_not_end_it():
+    clock = Clock()
+    watch = FreezeWatch(session_timeout_s=6.0, heartbeat_interval_s=1.2, clock=clock)
+    watch.revoked()  # a rebalance began, then the worker froze in its middle
+    clock.now += 10.0
+    watch.tick()
+    watch.assigned()  # that rebalance's stale assignment, handed over as it wakes
+    assert watch.unsure()
+    clock.now += 0.5
+    watch.revoked()  # its membership was gone: it rejoins
     watch.assigned()
     assert not watch.unsure()
 
