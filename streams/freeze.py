@@ -6,8 +6,9 @@ timeout is dropped from its consumer group: its partitions go to other members, 
 answer the records it had fetched. When it runs again it still holds those records, and
 its Kafka clients learn that they lost the partitions only at their next heartbeat; until
 then (and while it finishes what it held, as a revoke asks) what it answers may repeat
-what a new owner answered meanwhile, and that answer comes second. So until the next
-assignment, every answer it writes carries the `headrace.redelivered` header, as the
+what a new owner answered meanwhile, and that answer comes second. So until it has
+rejoined (an assignment after a revoke), every answer it writes carries the
+`headrace.redelivered` header, as the
 replays of `streams/replay.py` do: a consumer that keeps the first answer per input
 keeps the new owner's. After the assignment the read-back of `streams/replay.py` covers
 the partitions it gets (back).
@@ -92,7 +93,7 @@ class FreezeWatch:
             log.warning(
                 "%s for %.1f s, past its group session: its partitions may have been "
                 "answered by another member meanwhile; its answers carry "
-                "headrace.redelivered until its next assignment", what, gap_s,
+                "headrace.redelivered until it rejoins its group", what, gap_s,
             )  # fmt: skip
         return now
 
