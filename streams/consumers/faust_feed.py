@@ -36,6 +36,8 @@ from faust.utils import terminal
 from mode import Service
 from mode.utils.futures import maybe_async
 
+from streams.consumers import aiokafka_closed
+
 # Chunks waiting for an agent: one being fetched while one is handed over.
 FEED_CHUNKS = 2
 # Fetches answered on the first byte (idle and light load), and the record count of a
@@ -58,6 +60,8 @@ class _TerminalWithoutTables:
 
 
 faust_consumer.terminal = _TerminalWithoutTables()
+# aiokafka runs on the worker's loop, uvloop by default (see `aiokafka_closed`).
+aiokafka_closed.install()
 
 
 class _LoopConsumer(faust_aiokafka.AIOKafkaConsumerThread):

@@ -30,18 +30,7 @@ def kill_broker(kafka) -> None:
     assert wait_until(lambda: kafka.process.pid() is None, 30)
 
 
-# Known bug, not fixed: since aiokafka runs on the worker's uvloop loop, a write to a
-# connection the broker closed can raise RuntimeError ("the handler is closed") inside
-# aiokafka's coordinator, which ends it; the Faust worker then crashes (exit 1) and its
-# restart answers what was left. Seen once in five runs.
-FAUST_UVLOOP_CLOSED_TRANSPORT = pytest.mark.xfail(
-    reason="aiokafka's coordinator can die on a closed uvloop transport", strict=False
-)
-
-
-@pytest.mark.parametrize(
-    "runtime", [pytest.param("faust", marks=FAUST_UVLOOP_CLOSED_TRANSPORT), "bare"]
-)
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
 def test_a_worker_rides_out_a_broker_crash_and_nothing_goes_unanswered(
     chaos_deploy, kafka, sample_assets, runtime
 ):
