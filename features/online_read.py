@@ -1,22 +1,34 @@
 """A direct read of Feast's online store, below `get_online_features`.
 
 This is the one module that uses Feast internals: the provider's `online_read` for a
-feature view (`FeatureStore._get_provider()`), `EntityKeyProto` and `ValueProto`. It
-skips Feast's request and response objects and turns the stored values straight into
-float64 arrays, one row per entity key. If a Feast upgrade breaks it, this is the
-place to mend (tests/features/test_online_read.py compares it with
-`get_online_features`).
+feature view (`FeatureStore._get_provider()`), `EntityKeyProto` and `ValueProto`, and
+for the SQLite store its table layout. It skips Feast's request and response objects
+and turns the stored values straight into float64 arrays, one row per entity key. If a
+Feast upgrade breaks it, this is the place to mend (tests/features/test_online_read.py
+compares it with `get_online_features`).
+
+The SQLite store (the default) is read with SQL here rather than through the provider:
+Feast's `online_read` turns every stored row into a `datetime` (its column converter)
+and every key into a dict of protos, ~30 µs of CPU per key of four features, where the
+rows themselves are an indexed lookup. Reading the same rows as stored costs a third of
+that. Other stores go through the provider.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from feast.infra.key_encoding_utils import serialize_entity_key
+from feast.infra.online_stores.helpers import compute_table_id
+from feast.infra.online_stores.sqlite import SqliteOnlineStore
 from feast.protos.feast.types.EntityKey_pb2 import EntityKey as EntityKeyProto
+from feast.protos.feast.types.Value_pb2 import Value as ValueProto
 from feast.type_map import python_values_to_proto_values
 
 from features.errors import FeatureStoreError
@@ -47,11 +59,14 @@ class OnlineViewReader:
             self.join_keys.append(entity.join_key)
             self._value_types.append(entity.value_type)
         self._provider = store._get_provider()
+        self._sqlite = _SqliteTable(store, self.view, self.features) if _is_sqlite(store) else None
 
     def read(self, keys: Sequence[tuple]) -> ViewRows:
         """Blocking read of `keys` (tuples of join-key values, in `join_keys` order)."""
         protos = self._entity_keys(keys)
         try:
+            if self._sqlite is not None:
+                return self._sqlite.read(protos)
             rows = self._provider.online_read(
                 config=self._store.config,
                 table=self.view,
@@ -92,3 +107,81 @@ class OnlineViewReader:
 
 def _epoch_s(stamp: datetime | None) -> float:
     return float("nan") if stamp is None else stamp.timestamp()
+
+
+def _is_sqlite(store: Any) -> bool:
+    kind = store.config.online_store.type
+    return kind == "sqlite" or kind.endswith("SqliteOnlineStore")
+
+
+class _SqliteTable:
+    """One feature view's table in Feast's SQLite online store, read with SQL: a row per
+    (entity key, feature) holding a serialized `ValueProto` and the event time as epoch
+    seconds (Feast's adapter for `datetime`), keyed by Feast's serialized entity key."""
+
+    def __init__(self, store: Any, view: Any, features: Sequence[str]) -> None:
+        config = store.config
+        self._path = Path(SqliteOnlineStore._get_db_path(config))
+        self._key_version = config.entity_key_serialization_version
+        versioned = config.registry.enable_online_feature_view_versioning
+        table = compute_table_id(config.project, view, versioned).replace('"', '""')
+        self._select = (
+            f'SELECT entity_key, feature_name, value, event_ts FROM "{table}" WHERE entity_key IN '
+        )
+        self._columns = {name: column for column, name in enumerate(features)}
+        self._connection: sqlite3.Connection | None = None
+
+    def read(self, entity_keys: Sequence[EntityKeyProto]) -> ViewRows:
+        version = self._key_version
+        blobs = [serialize_entity_key(key, entity_key_serialization_version=version)
+                 for key in entity_keys]  # fmt: skip
+        width = len(self._columns)
+        if not blobs:
+            return ViewRows(np.empty((0, width)), np.empty(0))
+        # Plain lists until the end: per-element numpy writes cost more than the SQL.
+        found: dict[bytes, list[float]] = {}
+        stored_ts: dict[bytes, Any] = {}
+        columns, nan = self._columns, float("nan")
+        unique = list(dict.fromkeys(blobs))
+        placeholders = "(" + ",".join("?" * len(unique)) + ")"
+        for blob, name, stored, event_ts in self._connect().execute(
+            self._select + placeholders, unique
+        ):
+            stored_ts[blob] = event_ts  # the last row's, as Feast's read
+            column = columns.get(name)
+            if column is None:
+                continue
+            value = ValueProto.FromString(stored)
+            kind = value.WhichOneof("val")
+            if kind is not None and kind != "null_val":
+                row = found.get(blob)
+                if row is None:
+                    row = found[blob] = [nan] * width
+                row[column] = float(getattr(value, kind))
+        # An entity whose requested values are all null reads as absent, as on Redis.
+        absent = [nan] * width
+        values = np.array([found.get(blob, absent) for blob in blobs], dtype=np.float64)
+        stamps = np.array(
+            [_stored_epoch_s(stored_ts[blob]) if blob in found else nan for blob in blobs]
+        )
+        return ViewRows(values, stamps)
+
+    def _connect(self) -> sqlite3.Connection:
+        # Read-only, no type converters; used from one store thread at a time (and
+        # sqlite3 serializes a shared connection). Opened on first read: the file may be
+        # materialized after the worker starts.
+        if self._connection is None:
+            uri = self._path.resolve().as_uri() + "?mode=ro"
+            self._connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        return self._connection
+
+
+def _stored_epoch_s(event_ts: Any) -> float:
+    """Feast stores `datetime`s as epoch seconds; an ISO string (older writers) is read
+    as UTC when it has no zone, as Feast's converter does."""
+    if event_ts is None:
+        return float("nan")
+    if isinstance(event_ts, int | float):
+        return float(event_ts)
+    stamp = datetime.fromisoformat(event_ts.decode() if isinstance(event_ts, bytes) else event_ts)
+    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()

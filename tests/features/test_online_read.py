@@ -117,3 +117,16 @@ def test_every_row_expires_once_the_clock_passes_the_ttl(store):
     finally:
         lookup.close()
     assert rows.missing_views == [("user_stats", "merchant_stats")]
+
+
+def test_the_sqlite_store_read_with_sql_equals_the_providers_read(sample_assets):
+    store = open_store(sample_assets.repo)
+    reader = OnlineViewReader(store, "user_stats", USER_FEATURES)
+    assert reader._sqlite is not None  # the SQLite store takes the SQL path
+    keys = [(user,) for user in ["u0000003", "nobody", "u0000004", "u0000003", EXPIRED_USER]]
+    by_sql = reader.read(keys)
+    reader._sqlite = None
+    by_provider = reader.read(keys)
+    np.testing.assert_array_equal(by_sql.values, by_provider.values)
+    np.testing.assert_array_equal(by_sql.event_ts_s, by_provider.event_ts_s)
+    assert reader.read([]).values.shape == (0, len(USER_FEATURES))
