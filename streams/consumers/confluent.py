@@ -44,12 +44,17 @@ from streams.config import HeadraceConfig
 from streams.drain import DrainDeadline
 from streams.health import Health
 from streams.lag import ConfluentMarks, InputProgress
+from streams.publish import DEFAULT_PRODUCER_CONFIG
 from streams.records import InputRecord
 from streams.replay import AnsweredBefore
 from streams.runner import MakeRunner, PipelineRunner
 from streams.transact import TransactionalPublisher, UnfinishedRevoke
 
 log = logging.getLogger(__name__)
+
+# How long lost partitions wait for their answers to be written: as long as the
+# publisher waits for Kafka to take one (`delivery.timeout.ms`), and a little more.
+LOST_WAIT_S = DEFAULT_PRODUCER_CONFIG["delivery.timeout.ms"] / 1000 + 5
 
 
 class BareConsumer:
@@ -144,6 +149,7 @@ class BareConsumer:
             list(self._runners),
             on_assign=self._assigned,
             on_revoke=self._finish_revoked,
+            on_lost=self._finish_lost,
         )
         poller = threading.Thread(target=self._poll, args=(loop,), name="kafka-consumer")
         self._loop, self._poller = loop, poller
@@ -283,11 +289,31 @@ class BareConsumer:
         """Poll thread, inside `poll`, before `partitions` go to another member: wait
         for the runners to write what was handed over from them (their acks arrive as
         queued calls), then commit, so the next owner starts after the last answer."""
+        self._finish(partitions, self._revoke_timeout_s)
+        try:
+            consumer.commit(asynchronous=False)
+        except KafkaException as exc:  # nothing stored since the last commit, mostly
+            log.debug("commit on revoke: %s", exc)
+
+    def _finish_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Poll thread, inside `poll`: the group took `partitions` away without us (our
+        session lapsed: the broker down, or this process frozen), so nothing committed
+        now counts. If they come back to this worker, its read-back at the assignment
+        must see every answer it still writes for them, or it answers those inputs again
+        (a broker killed for 10 s: 8-10 repeats in about one run in six while this waited
+        only a session). So wait as long as an answer can wait for Kafka; the group
+        cannot be rejoined before the broker is back anyway, and then they go at once."""
+        self._finish(partitions, LOST_WAIT_S)
+
+    def _finish(self, partitions: list[TopicPartition], timeout_s: float) -> None:
+        """Wait up to `timeout_s` for what was handed over from `partitions` to be
+        written, running the loop's queued calls (acks) meanwhile."""
         self._health.revoked()
         revoked = [(tp.topic, tp.partition) for tp in partitions]
         self._give_up_held(revoked)
-        deadline = time.monotonic() + self._revoke_timeout_s
+        deadline = time.monotonic() + timeout_s
         while any(self._unwritten[tp] > 0 for tp in revoked) and time.monotonic() < deadline:
+            self._health.turned()  # waiting on acks is not a stuck poll loop
             with contextlib.suppress(queue.Empty):
                 self._calls.get(timeout=0.05)()
         left = sum(max(0, self._unwritten[tp]) for tp in revoked)
@@ -298,10 +324,6 @@ class BareConsumer:
                         "next owner answers them again", left)  # fmt: skip
         for tp in revoked:
             del self._unwritten[tp]
-        try:
-            consumer.commit(asynchronous=False)
-        except KafkaException as exc:  # nothing stored since the last commit, mostly
-            log.debug("commit on revoke: %s", exc)
 
     async def group_metadata(self) -> bytes:
         """The consumer's group metadata (for offsets sent to a transaction), read by the
