@@ -3,6 +3,13 @@
 Read from `/proc/<pid>/stat` (user plus system time, every thread), so a figure is
 what the process cost the machine, whatever it spent it on. Where `/proc` is missing
 (not Linux) the figures are absent, not zero.
+
+A worker's figure is also split by thread (`/proc/<pid>/task/*/stat`): its main
+thread, which runs the event loop (aiokafka's fetching too, on the Faust runtime);
+librdkafka's threads (named `rdk:...`: producing, and the bare runtime's fetching);
+and the rest, Python's own threads (the bare runtime's poll thread, store reads, ONNX
+runs, delivery reports) plus threads that ended in the window. A sampling profile sees
+only Python frames; this shows where the process's CPU time went, C included.
 """
 
 from __future__ import annotations
@@ -16,14 +23,45 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU seconds of process `pid` so far; None if it cannot be read."""
+    read = _stat(f"/proc/{pid}/stat")
+    return None if read is None else read[1]
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float] | None:
+    """CPU seconds of process `pid` so far: in all (`""`), its main thread (`"loop"`),
+    librdkafka's threads (`"librdkafka"`) and the rest (`"threads"`)."""
+    total = cpu_seconds(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    if total is None:
+        return None
+    loop = librdkafka = 0.0
+    for tid in tids:
+        read = _stat(f"/proc/{pid}/task/{tid}/stat")
+        if read is None:
+            continue  # ended meanwhile: counted in "threads", from the total
+        name, seconds = read
+        if tid == str(pid):
+            loop = seconds
+        elif name.startswith(b"rdk:"):
+            librdkafka += seconds
+    return {"": total, "loop": loop, "librdkafka": librdkafka,
+            "threads": max(0.0, total - loop - librdkafka)}  # fmt: skip
+
+
+def _stat(path: str) -> tuple[bytes, float] | None:
+    """The command name and user plus system CPU seconds in a `stat` file."""
+    try:
+        with open(path, "rb") as stat:
             text = stat.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces: split after its closing parenthesis.
-    fields = text[text.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+    close = text.rindex(b")")
+    fields = text[close + 2 :].split()
+    return text[text.index(b"(") + 1 : close], (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
 @dataclass(frozen=True)
@@ -33,14 +71,21 @@ class CpuSnapshot:
 
 
 class CpuMeter:
-    """CPU seconds of named processes between two snapshots."""
+    """CPU seconds of named processes between two snapshots; those named in `by_thread`
+    also as `name/loop`, `name/librdkafka` and `name/threads` (see `thread_cpu_seconds`)."""
 
-    def __init__(self, pids: dict[str, int | None]) -> None:
+    def __init__(self, pids: dict[str, int | None], by_thread: frozenset[str] = frozenset()):
         self._pids = {name: pid for name, pid in pids.items() if pid is not None}
+        self._by_thread = by_thread
 
     def snapshot(self) -> CpuSnapshot:
         seconds = {}
         for name, pid in self._pids.items():
+            if name in self._by_thread:
+                parts = thread_cpu_seconds(pid) or {}
+                seconds.update({f"{name}/{part}" if part else name: value
+                                for part, value in parts.items()})  # fmt: skip
+                continue
             value = cpu_seconds(pid)
             if value is not None:
                 seconds[name] = value

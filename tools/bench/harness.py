@@ -722,7 +722,10 @@ class Bench:
             if len(system.workers) > 1
             else {"worker": system.pid}
         )
-        meter = CpuMeter({**workers, "broker": self.broker_pid, "load generator": os.getpid()})
+        meter = CpuMeter(
+            {**workers, "broker": self.broker_pid, "load generator": os.getpid()},
+            by_thread=frozenset({"worker"}),
+        )
         cpu_before = meter.snapshot()
         action = threading.Timer(settings.warmup_s, at_window) if at_window else None
         if action is not None:

@@ -363,12 +363,14 @@ def _steps_markdown(doc: dict) -> list[str]:
         "## Steps",
         "",
         "CPU columns: µs of CPU per event sent in the step (warm-up, window and drain), "
-        "per process; the load generator includes the reading consumers.",
+        "per process; the load generator includes the reading consumers. The worker's "
+        "is split by thread (one worker only): its event loop (main thread), "
+        "librdkafka's threads, and its other threads.",
         "",
         "| system | phase | offered/s | achieved/s | answered | unanswered | p50 ms "
         "| p90 ms | p99 ms | p99.9 ms | max ms | statuses | within budget "
-        "| worker µs/ev | broker µs/ev | loadgen µs/ev |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| worker µs/ev | loop / librdkafka / threads | broker µs/ev | loadgen µs/ev |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in doc["steps"]:
         lat = s["latency"]
@@ -379,13 +381,14 @@ def _steps_markdown(doc: dict) -> list[str]:
             spent = [v for key, v in cpu.items() if key == name or key.startswith(f"{name} ")]
             return f"{sum(spent):.0f}" if spent else "-"
 
+        threads = " / ".join(us(f"worker/{part}") for part in ("loop", "librdkafka", "threads"))
         lines.append(
             f"| {s['system']} | {s.get('phase', 'sweep')} | {s['offered_per_s']:.0f} | "
             f"{s['achieved_per_s']:.0f} | {s['answered']} | {s['unanswered']} | "
             f"{lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | {lat['p99_ms']:.1f} | "
             f"{lat['p999_ms']:.1f} | {lat['max_ms']:.1f} | {s['statuses']} | "
-            f"{'yes' if s['within_budget'] else 'no'} | {us('worker')} | {us('broker')} | "
-            f"{us('load generator')} |"
+            f"{'yes' if s['within_budget'] else 'no'} | {us('worker')} | {threads} | "
+            f"{us('broker')} | {us('load generator')} |"
         )
     return lines
 

@@ -166,4 +166,6 @@ def _bound_sentence(runtime: str, rows: list[dict], one_per_s: float, machine: i
 
 
 def _cores(cores: dict[str, float]) -> str:
-    return ", ".join(f"{name} {value:.2f}" for name, value in sorted(cores.items()))
+    # Processes only: a worker's split by thread ("worker/loop") is in the steps table.
+    return ", ".join(f"{name} {value:.2f}" for name, value in sorted(cores.items())
+                     if "/" not in name)  # fmt: skip

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
 
 from tools.bench import devices, flame
-from tools.bench.cpu import CpuMeter, cpu_seconds
+from tools.bench.cpu import CpuMeter, cpu_seconds, thread_cpu_seconds
 from tools.bench.harness import Bench, BenchSettings
 
 
@@ -23,6 +24,28 @@ def test_the_cpu_meter_sees_this_process_burn_cpu():
     assert CpuMeter.per_event_us(before, after, 1000)["me"] >= 150  # 0.2 s over 1,000 events
     assert 0 < CpuMeter.cores(before, after)["me"] <= os.cpu_count()
     assert cpu_seconds(2**22 + 12345) is None  # no such process
+
+
+def spin(seconds: float) -> None:
+    deadline = time.thread_time() + seconds
+    while time.thread_time() < deadline:
+        pass
+
+
+def test_the_cpu_meter_splits_a_worker_by_thread():
+    meter = CpuMeter({"worker": os.getpid()}, by_thread=frozenset({"worker"}))
+    before = meter.snapshot()
+    spin(0.2)  # the main thread: a worker's event loop
+    helper = threading.Thread(target=spin, args=(0.3,))
+    helper.start()
+    helper.join()  # ended before the snapshot: still counted, from the process total
+    spent = CpuMeter.per_event_us(before, meter.snapshot(), 1_000_000)  # µs = seconds
+    assert 0.15 <= spent["worker/loop"] <= 0.3
+    assert 0.25 <= spent["worker/threads"] <= 0.45
+    assert spent["worker/librdkafka"] == 0
+    parts = ("worker/loop", "worker/librdkafka", "worker/threads")
+    assert abs(spent["worker"] - sum(spent[part] for part in parts)) < 0.02
+    assert thread_cpu_seconds(2**22 + 12345) is None
 
 
 def test_samples_go_to_the_stage_of_their_innermost_known_frame():
