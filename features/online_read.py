@@ -9,9 +9,10 @@ compares it with `get_online_features`).
 
 The SQLite store (the default) is read with SQL here rather than through the provider:
 Feast's `online_read` turns every stored row into a `datetime` (its column converter)
-and every key into a dict of protos, ~30 µs of CPU per key of four features, where the
-rows themselves are an indexed lookup. Reading the same rows as stored costs a third of
-that. Other stores go through the provider.
+and every key into a dict of protos, where the rows themselves are an indexed lookup.
+Reading the same rows as stored cost two thirds of the CPU (12 against 18 µs per key of
+four features, 64 keys a read; 38 against 45 µs for one key; one process, alternating).
+Other stores go through the provider.
 """
 
 from __future__ import annotations
