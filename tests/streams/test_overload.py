@@ -28,7 +28,7 @@ from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
 from streams.app import create_topics
 from tests.conftest import Deployment
-from tests.helpers import produce_events
+from tests.helpers import produce_events, wait_until
 from tests.streams.test_worker import collector_for
 from tools.audit import audit, format_report
 from tools.bench.harness import HEAVY_MODEL
@@ -68,6 +68,14 @@ def _run(producer, topic, world, encoder, phase: Phase, priorities) -> None:
         producer, topic, _records(world, phase, encoder, priorities), phase.rate, phase.seconds
     )
     phase.started_s = report.started_s
+
+
+def _outcomes_counted(metrics: dict[tuple, float]) -> Counter:
+    counted = Counter()
+    for (name, labels), value in metrics.items():
+        if name == "headrace_outcomes_total":
+            counted[dict(labels)["status"]] += int(value)
+    return counted
 
 
 def _scrape(port: int) -> dict[tuple, float]:
@@ -140,6 +148,9 @@ def overload(request, kafka, sample_assets, tmp_path_factory):
             run(Phase("calm", capacity / 2, 10.0, {}))
             sent = 1 + sum(len(p.priorities) for p in phases.values())
             outcomes = collector.wait_for(sent, 120)
+            # The worker counts an outcome once Kafka confirms its write, which can come
+            # a moment after a reader sees it.
+            wait_until(lambda: sum(_outcomes_counted(_scrape(port)).values()) >= sent, 10)
             metrics = _scrape(port)
         collector.stop()
         audits = audit(config)
@@ -199,11 +210,7 @@ def test_every_input_has_exactly_one_outcome_and_the_counters_agree(overload):
     assert format_report([found]).endswith("every committed input has exactly one outcome")
     assert found.inputs == overload["sent"]
     assert sum(found.outcomes.values()) == found.inputs
-    counted = Counter()
-    for (name, labels), value in overload["metrics"].items():
-        if name == "headrace_outcomes_total":
-            counted[dict(labels)["status"]] += int(value)
-    assert counted == found.outcomes
+    assert _outcomes_counted(overload["metrics"]) == found.outcomes
 
 
 def test_under_overload_high_priority_reaches_full_answers_first(overload):

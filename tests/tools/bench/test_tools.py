@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-import threading
+import subprocess
+import sys
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -32,15 +33,40 @@ def spin(seconds: float) -> None:
         pass
 
 
+# A worker stand-in: its main thread (the event loop) spins 0.2 s of CPU, a helper thread
+# 0.3 s, then it waits for stdin to close. Its own process: the test process runs
+# librdkafka threads of its session's clients, which would blur the split.
+_SPLIT_WORKER = """
+import sys, threading, time
+def spin(seconds):
+    deadline = time.thread_time() + seconds
+    while time.thread_time() < deadline:
+        pass
+spin(0.2)
+helper = threading.Thread(target=spin, args=(0.3,))
+helper.start()
+helper.join()
+print("spun", flush=True)
+sys.stdin.read()
+"""
+
+
 def test_the_cpu_meter_splits_a_worker_by_thread():
-    meter = CpuMeter({"worker": os.getpid()}, by_thread=frozenset({"worker"}))
-    before = meter.snapshot()
-    spin(0.2)  # the main thread: a worker's event loop
-    helper = threading.Thread(target=spin, args=(0.3,))
-    helper.start()
-    helper.join()  # ended before the snapshot: still counted, from the process total
-    spent = CpuMeter.per_event_us(before, meter.snapshot(), 1_000_000)  # µs = seconds
-    assert 0.15 <= spent["worker/loop"] <= 0.3
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _SPLIT_WORKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        meter = CpuMeter({"worker": worker.pid}, by_thread=frozenset({"worker"}))
+        before = meter.snapshot()
+        assert worker.stdout.readline() == "spun\n"
+        # The helper ended before this snapshot: still counted, from the process total.
+        spent = CpuMeter.per_event_us(before, meter.snapshot(), 1_000_000)  # µs = seconds
+    finally:
+        worker.communicate("", timeout=10)
+    assert 0.15 <= spent["worker/loop"] <= 0.35  # with the interpreter starting
     assert 0.25 <= spent["worker/threads"] <= 0.45
     assert spent["worker/librdkafka"] == 0
     parts = ("worker/loop", "worker/librdkafka", "worker/threads")
