@@ -88,6 +88,8 @@ def sample_config(
     max_in_flight: int = 2_000,
     fallback_model: Path | None = None,
     default_score: float | None = None,
+    answer_cache: dict[str, Any] | None = None,
+    feature_cache: dict[str, Any] | None = None,
     priority: dict[str, Any] | None = None,
     clicks_model: Path | None = None,
     delivery: str = "at_least_once",
@@ -123,9 +125,11 @@ def sample_config(
                 "max_batch_size": max_batch_size,
                 "max_wait_ms": max_wait_ms,
                 "priority": priority or {},
+                "feature_cache": feature_cache or {},
                 "degradation": {
                     "fallback_model": {"path": str(fallback_model)} if fallback_model else None,
                     "default_score": default_score,
+                    "answer_cache": answer_cache or {},
                 },
             }
         ],

@@ -4,6 +4,7 @@ never stops the worker; full answers resume when the store is back."""
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,6 +20,7 @@ from tools.deploy import prepare_sample_store
 pytestmark = pytest.mark.integration
 
 BUDGET_MS = 1_000  # reads may take half of it before their events answer without the store
+CACHE_AGE_S = 8.0
 
 
 @contextmanager
@@ -111,3 +113,64 @@ def test_a_stopped_redis_degrades_then_recovers(deploy, kafka, tmp_path):
         check_outage_degrades(deployment, kafka, world, stopped)
     finally:
         server.stop()
+
+
+def test_without_a_fallback_model_the_answer_cache_repeats_recent_answers_up_to_max_age(
+    deploy, kafka, sample_assets
+):
+    """The answer cache is then the first rung: during a store outage, an input identical
+    to one answered in full at most `max_age_s` ago gets that answer again, DEGRADED by
+    `cache`; after `max_age_s` the same input is shed. (The feature cache is off: it
+    would answer the same inputs' features without the store.)"""
+    deployment = deploy(latency_budget_ms=BUDGET_MS, fallback_model=None,
+                        answer_cache={"max_age_s": CACHE_AGE_S},
+                        feature_cache={"max_entries": 0})  # fmt: skip
+    collector = collector_for(deployment)
+
+    def send(prefix: str, seed: int = 21) -> dict:
+        # The same seed makes the same inputs (entity keys, amounts, ...), new event ids.
+        return produce_events(kafka.bootstrap_servers, deployment.spec.input_topic,
+                              sample_assets.world, 20, seed=seed, prefix=prefix)  # fmt: skip
+
+    def answered(prefix: str) -> dict[str, dict]:
+        """Answers of `prefix` once all 20 are in, by the event's index."""
+        assert wait_until(lambda: len(answers_of(collector, f"{prefix}-")) == 20, 60), (
+            deployment.log_tail()
+        )
+        return {a["event_id"].rsplit("-", 1)[1]: a for a in answers_of(collector, f"{prefix}-")}
+
+    tries = iter(range(1000, 2000))
+
+    def answers_in_full() -> bool:
+        attempt = next(tries)
+        send(f"warm{attempt}", seed=attempt)
+        return any(p["status"] == "OK" for p in answers_of(collector, "warm"))
+
+    try:
+        with deployment.worker() as worker:
+            assert wait_until(answers_in_full, 120, 1.0), deployment.log_tail()
+            send("first")
+            first = answered("first")
+            cached_by_s = time.monotonic() + CACHE_AGE_S  # the answers were cached before
+            assert {a["status"] for a in first.values()} == {"OK"}
+            with sqlite_locked(sample_assets.repo):
+                send("again")
+                again = answered("again")
+                assert time.monotonic() < cached_by_s, "too slow to test the cache's age"
+                assert {(a["status"], a["degraded_by"], a["reason"]) for a in again.values()} == {
+                    ("DEGRADED", "cache", "store_unavailable")
+                }
+                assert {i: a["score"] for i, a in again.items()} == {
+                    i: a["score"] for i, a in first.items()
+                }
+                # The cache's age is what is under test here: let it pass.
+                time.sleep(max(0.0, cached_by_s + 0.5 - time.monotonic()))
+                send("late")
+                late = answered("late")
+                assert {(a["status"], a["reason"]) for a in late.values()} == {
+                    ("SHED", "store_unavailable")
+                }
+            assert wait_until(answers_in_full, 60, 1.0), deployment.log_tail()
+            assert worker.poll() is None
+    finally:
+        collector.stop()
