@@ -17,6 +17,7 @@ import pytest
 
 from features.sample_data import SampleWorld
 from features.store import prepare_sample_store
+from infra.jaeger import JaegerServer, jaeger_binary
 from infra.kafka import KafkaBroker
 from infra.mlflow import MlflowServer
 from infra.ports import free_port
@@ -63,6 +64,19 @@ def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
 @pytest.fixture(scope="session")
 def zipkin(tmp_path_factory) -> Iterator[ZipkinServer]:
     server = ZipkinServer(tmp_path_factory.mktemp("zipkin"), free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def jaeger(tmp_path_factory) -> Iterator[JaegerServer]:
+    """An OTLP backend, where a Jaeger binary was built beforehand (see infra/jaeger.py)."""
+    if jaeger_binary() is None:
+        pytest.skip("no Jaeger binary (HEADRACE_JAEGER): it is built from Go modules, "
+                    "see infra/jaeger.py")  # fmt: skip
+    ports = [free_port() for _ in range(4)]
+    server = JaegerServer(tmp_path_factory.mktemp("jaeger"), *ports)
     server.start()
     yield server
     server.stop()

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 from confluent_kafka import Consumer, Producer
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.exporter.zipkin.json import ZipkinExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -124,6 +125,56 @@ def test_a_producers_trace_goes_on_through_each_stage_to_the_consumer(
         if span["localEndpoint"]["serviceName"] == "test-consumer":
             assert by_id[span["parentId"]] in batches  # the consumer continues a batch span
     print(f"\n{runtime}: the trace as Zipkin holds it\n{outline(spans)}")
+
+
+@pytest.mark.integration
+def test_with_the_otlp_exporter_the_trace_reaches_an_otlp_backend(deploy, jaeger, sample_assets):
+    """The OTLP exporter against a real OTLP receiver (Jaeger): the worker's batch span
+    continues the producer's span, and each stage is a span of the worker's service."""
+    deployment = deploy(
+        runtime="bare",
+        latency_budget_ms=PATIENT_BUDGET_MS,
+        tracing={"enabled": True, "exporter": "otlp", "endpoint": jaeger.spans_endpoint},
+    )
+    spec = deployment.spec
+    bootstrap = deployment.config.broker.bootstrap_servers
+    exporter = OTLPSpanExporter(endpoint=jaeger.spans_endpoint, timeout=5)
+    producing = provider_for("test-producer", exporter).get_tracer("test")
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")
+    events = sample_events(sample_assets.world, 8, "otlp")
+    with deployment.worker():
+        producer = Producer({"bootstrap.servers": bootstrap})
+        sending = f"send {spec.input_topic}"
+        with producing.start_as_current_span(sending, kind=SpanKind.PRODUCER) as sent:
+            headers = trace_headers()
+            for _ in range(3):
+                event = next(events)
+                producer.produce(spec.input_topic, encoder.encode(event), b"k", headers=headers)
+            assert producer.flush(30) == 0
+        trace_id = f"{sent.get_span_context().trace_id:032x}"
+        assert len(read_outcomes(bootstrap, [spec.output_topic], 3, 90)) == 3, deployment.log_tail()
+
+        def whole_trace() -> list[dict] | None:
+            spans = jaeger.trace(trace_id)
+            return spans if {span["operationName"] for span in spans} >= STAGES else None
+
+        spans = wait_until(whole_trace, 30)
+    assert spans, f"Jaeger holds: {sorted({s['operationName'] for s in jaeger.trace(trace_id)})}"
+    by_id = {span["spanID"]: span for span in spans}
+    worker_spans = [s for s in spans if s["serviceName"] == deployment.config.app_id]
+    batches = [s for s in worker_spans if s["operationName"] == f"process {spec.input_topic}"]
+    assert batches, [s["operationName"] for s in worker_spans]
+
+    def parent(span: dict) -> dict:
+        # Jaeger shows the span a consumer's span continues as FOLLOWS_FROM (a span
+        # linked to its parent's context too), a plain child as CHILD_OF.
+        (reference,) = span["references"][:1]
+        return by_id[reference["spanID"]]
+
+    for batch in batches:
+        assert parent(batch)["operationName"] == f"send {spec.input_topic}"
+    stages = [s for s in worker_spans if s["operationName"] in STAGES]
+    assert {parent(s)["spanID"] for s in stages} <= {b["spanID"] for b in batches}
 
 
 def outline(spans: list[dict]) -> str:
