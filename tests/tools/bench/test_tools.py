@@ -27,12 +27,6 @@ def test_the_cpu_meter_sees_this_process_burn_cpu():
     assert cpu_seconds(2**22 + 12345) is None  # no such process
 
 
-def spin(seconds: float) -> None:
-    deadline = time.thread_time() + seconds
-    while time.thread_time() < deadline:
-        pass
-
-
 # A worker stand-in: its main thread (the event loop) spins 0.2 s of CPU, a helper thread
 # 0.3 s, then it waits for stdin to close. Its own process: the test process runs
 # librdkafka threads of its session's clients, which would blur the split.
