@@ -50,7 +50,8 @@ class TopicReader:
                 "fetch.wait.max.ms": 5,
             }
         )
-        self._consumer.subscribe(topics)
+        self._assigned = threading.Event()
+        self._consumer.subscribe(topics, on_assign=lambda *_: self._assigned.set())
         self._handle = handle
         self.count = 0
         self._changed = threading.Condition()
@@ -67,6 +68,11 @@ class TopicReader:
             self._stopping.set()
             self._thread.join()
             self._consumer.close()
+
+    def wait_assigned(self, timeout_s: float) -> bool:
+        """Block until the reader's group gave it its partitions (a fresh group takes
+        seconds); whatever is written after this is read within a poll."""
+        return self._assigned.wait(timeout_s)
 
     def wait_for(self, count: int, timeout_s: float) -> int:
         """Block until `count` items were kept or `timeout_s` passed; return the count."""
@@ -137,6 +143,9 @@ class OutcomeCollector:
     def snapshot(self) -> Outcomes:
         with self._lock:
             return Outcomes(list(self._outcomes.predictions), list(self._outcomes.dead_letters))
+
+    def wait_assigned(self, timeout_s: float) -> bool:
+        return self._reader.wait_assigned(timeout_s)
 
     def wait_for(self, count: int, timeout_s: float) -> Outcomes:
         """Block until at least `count` outcomes arrived or `timeout_s` passed; return them."""
