@@ -262,31 +262,19 @@ class Publisher:
         sent = 0
         try:
             for position, index in enumerate(indexes):
-                record = self._fitting(batch, index)
+                self._fitting(batch, index)
                 while True:
                     try:
-                        produce(
-                            record.topic,
-                            record.value,
-                            record.key,
-                            headers=record.headers,
-                            on_delivery=partial(delivery.report, index),
-                        )
-                        sent += 1
+                        error = produce_fitted(produce, batch, index, delivery.report)
                         break
                     except BufferError:
                         # librdkafka's local queue is full: let deliveries drain it, then retry.
                         await asyncio.sleep(0.005)
-                    except KafkaException as exc:
-                        error = exc.args[0]
-                        if error.code() not in _SIZE:
-                            # The producer stopped, or cannot write that topic: so for the rest.
-                            failures.update(dict.fromkeys(indexes[position:], error))
-                            break
-                        # librdkafka's own count found it too large.
-                        record = batch.reduce(index, TOO_LARGE, error.str())
-                if failures:
+                if error is not None:
+                    # The producer stopped, or cannot write that topic: so for the rest.
+                    failures.update(dict.fromkeys(indexes[position:], error))
                     break
+                sent += 1
         finally:
             # Even when giving up half way (no form of a record fits), wait for what was
             # produced: a retry must never send again a record still in flight.
@@ -348,6 +336,35 @@ class Publisher:
                         with self._retiring_lock:
                             if old in self._retiring:
                                 self._retiring.remove(old)
+
+
+def produce_fitted(
+    produce: Callable[..., None],
+    batch: Outgoing,
+    index: int,
+    report: Callable[[int, KafkaError | None, Any], None],
+) -> KafkaError | None:
+    """Produce record `index` of `batch` in the form it has now; a form that
+    librdkafka's own count finds too large is replaced by the next smaller one and
+    produced again. None once produced, else the error that stops the rest of the
+    attempt (the producer stopped, or cannot write that topic). `BufferError`
+    (librdkafka's local queue is full) is the caller's to handle."""
+    while True:
+        record = batch.records[index]
+        try:
+            produce(
+                record.topic,
+                record.value,
+                record.key,
+                headers=record.headers,
+                on_delivery=partial(report, index),
+            )
+            return None
+        except KafkaException as exc:
+            error = exc.args[0]
+            if error.code() not in _SIZE:
+                return error
+            batch.reduce(index, TOO_LARGE, error.str())
 
 
 class _Delivery:

@@ -50,7 +50,6 @@ import logging
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
@@ -59,7 +58,15 @@ from schemas.errors import HeadraceError
 from streams.config import BrokerConfig, HeadraceConfig
 from streams.errors import PublishError, TransactionFailed, TransactionFenced
 from streams.outgoing import TOO_LARGE, UNPUBLISHABLE, Outgoing, wire_bytes
-from streams.publish import _REFUSED, _SIZE, _STOPPED, Publisher, _Delivery, _Producer
+from streams.publish import (
+    _REFUSED,
+    _SIZE,
+    _STOPPED,
+    Publisher,
+    _Delivery,
+    _Producer,
+    produce_fitted,
+)
 from streams.records import InputRecord
 
 log = logging.getLogger(__name__)
@@ -364,33 +371,18 @@ class TransactionalPublisher(Publisher):
         failures: dict[Where, KafkaError] = {}
         for at, (position, index) in enumerate(records):
             batch = batches[position]
-            record = self._fitting(batch, index)
-            while True:
-                try:
-                    produce(
-                        record.topic,
-                        record.value,
-                        record.key,
-                        headers=record.headers,
-                        on_delivery=partial(deliveries[position].report, index),
-                    )
-                    sent[position] += 1
-                    break
-                except BufferError:
-                    # librdkafka's local queue is full (more than a transaction should
-                    # hold): count the rest as failed for now; the attempt is retried.
-                    failures.update(dict.fromkeys(records[at:], _QUEUE_FULL))
-                    break
-                except KafkaException as exc:
-                    error = exc.args[0]
-                    if error.code() not in _SIZE:
-                        # The transaction failed, or the producer: so for the rest.
-                        failures.update(dict.fromkeys(records[at:], error))
-                        break
-                    # librdkafka's own count found it too large.
-                    record = batch.reduce(index, TOO_LARGE, error.str())
-            if failures:
+            self._fitting(batch, index)
+            try:
+                error = produce_fitted(produce, batch, index, deliveries[position].report)
+            except BufferError:
+                # librdkafka's local queue is full (more than a transaction should
+                # hold): count the rest as failed for now; the attempt is retried.
+                error = _QUEUE_FULL
+            if error is not None:
+                # The transaction failed, or the producer: so for the rest.
+                failures.update(dict.fromkeys(records[at:], error))
                 break
+            sent[position] += 1
 
         async def reports() -> dict[Where, KafkaError]:
             # Each record produced is reported, delivered or failed (an abort fails

@@ -58,8 +58,15 @@ class TopicReader:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="topic-reader", daemon=True)
 
-    def start(self) -> TopicReader:
+    def start(self, assigned_within_s: float = 30.0) -> TopicReader:
+        """Start reading; returns once the reader's group gave it its partitions, so
+        what is written from then on is read within a poll (a reader still joining
+        would see the first records late: a test stopping a worker after N answers
+        would find it had answered everything)."""
         self._thread.start()
+        if not self._assigned.wait(assigned_within_s):
+            self.stop()
+            raise TimeoutError(f"no partitions assigned within {assigned_within_s:.0f} s")
         return self
 
     def stop(self) -> None:
@@ -68,11 +75,6 @@ class TopicReader:
             self._stopping.set()
             self._thread.join()
             self._consumer.close()
-
-    def wait_assigned(self, timeout_s: float) -> bool:
-        """Block until the reader's group gave it its partitions (a fresh group takes
-        seconds); whatever is written after this is read within a poll."""
-        return self._assigned.wait(timeout_s)
 
     def wait_for(self, count: int, timeout_s: float) -> int:
         """Block until `count` items were kept or `timeout_s` passed; return the count."""
@@ -143,9 +145,6 @@ class OutcomeCollector:
     def snapshot(self) -> Outcomes:
         with self._lock:
             return Outcomes(list(self._outcomes.predictions), list(self._outcomes.dead_letters))
-
-    def wait_assigned(self, timeout_s: float) -> bool:
-        return self._reader.wait_assigned(timeout_s)
 
     def wait_for(self, count: int, timeout_s: float) -> Outcomes:
         """Block until at least `count` outcomes arrived or `timeout_s` passed; return them."""
