@@ -132,7 +132,7 @@ def _scaleout_lines(found: dict) -> list[str]:
     for runtime, rows in found["runtimes"].items():
         one = rows[0]["sustainable_per_s"] if rows else 0
         for row in rows:
-            cores, rate = row["cores"], row["sustainable_per_s"]
+            cores, rate = _processes(row["cores"]), row["sustainable_per_s"]
             workers = [v for k, v in sorted(cores.items()) if k.startswith("worker")]
             lines.append(
                 f"| {row['workers']} ({runtime}) | {row['partitions_per_worker']} | {rate:,.0f} "
@@ -149,7 +149,7 @@ def _bound_sentence(runtime: str, rows: list[dict], one_per_s: float, machine: i
     last = rows[-1]
     if not one_per_s or not last["sustainable_per_s"]:
         return f"{runtime}: a count sustained no rate within the budget here: no comparison."
-    used = sum(last["cores"].values())
+    used = sum(_processes(last["cores"]).values())
     ratio = last["sustainable_per_s"] / one_per_s
     said = (f"{runtime}: {last['workers']} workers sustain {ratio:.2f}x one worker's rate "
             f"({last['sustainable_per_s']:,.0f}/s against {one_per_s:,.0f}/s), using "
@@ -165,7 +165,11 @@ def _bound_sentence(runtime: str, rows: list[dict], one_per_s: float, machine: i
     )
 
 
+def _processes(cores: dict[str, float]) -> dict[str, float]:
+    """Each process's cores, without a worker's split by thread ("worker/loop"; it is in
+    the steps table), which would count that worker twice."""
+    return {name: value for name, value in cores.items() if "/" not in name}
+
+
 def _cores(cores: dict[str, float]) -> str:
-    # Processes only: a worker's split by thread ("worker/loop") is in the steps table.
-    return ", ".join(f"{name} {value:.2f}" for name, value in sorted(cores.items())
-                     if "/" not in name)  # fmt: skip
+    return ", ".join(f"{name} {value:.2f}" for name, value in sorted(_processes(cores).items()))

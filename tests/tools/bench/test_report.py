@@ -121,13 +121,16 @@ def test_the_scaleout_report_says_when_the_machine_bounds_the_sum(tmp_path):
         return {"workers": workers, "sustainable_per_s": rate, "cores": cores,
                 "partitions_per_worker": [12 // workers] * workers}  # fmt: skip
 
-    rows = [row(1, 2_000.0, {"worker": 0.9, "broker": 0.3, "load generator": 0.3}),
+    # A single worker's cores come with their split by thread, which is not a process.
+    split = {"worker/loop": 0.6, "worker/librdkafka": 0.1, "worker/other": 0.2}
+    rows = [row(1, 2_000.0, {"worker": 0.9, **split, "broker": 0.3, "load generator": 0.3}),
             row(3, 2_200.0, {"worker 1": 0.4, "worker 2": 0.4, "worker 3": 0.4,
                              "broker": 0.3, "load generator": 0.3})]  # fmt: skip
     scaleout = {"machine_cores": 2, "partitions": 12, "runtimes": {"bare": rows}}
     results = {"settings": BenchSettings(scenario="scaleout").model_dump(mode="json"),
                "steps": [], "systems": {}, "scaleout": scaleout, "elapsed_s": 1.0}  # fmt: skip
     text = write_reports(results, tmp_path)["markdown"].read_text()
+    assert "| 1 (bare) | [12] | 2,000 | 2,000 | 0.90 | 0.30 | 0.30 | 1.50 |" in text
     assert "| 3 (bare) | [4, 4, 4] | 2,200 | 733 | 0.40, 0.40, 0.40 | 0.30 | 0.30 | 1.80 |" in text
     assert "3 workers sustain 1.10x one worker's rate" in text
     assert "The machine, not headrace, bounds the sum here" in text
