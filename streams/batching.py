@@ -43,16 +43,26 @@ class ServiceEstimates(Protocol):
         ...
 
 
-def scaled_from_nearest(by_bucket: dict[int, float], size: int) -> float:
+def scaled_from_nearest(
+    by_bucket: dict[int, float], size: int, per_event_share: float = 1.0
+) -> float:
     """Seconds for `size` from seconds per size bucket: its own bucket's, else the nearest
-    measured bucket's scaled linearly; 0 when nothing is measured."""
+    measured bucket's scaled to the size; 0 when nothing is measured.
+
+    Scaled down linearly (an optimistic guess, soon replaced by a measurement). Scaled up
+    in `per_event_share`, the part of a batch's time that grows with its size: all of it
+    (1) for a model run, little for a time that is mostly per batch (a store read, a
+    publish round trip)."""
     if not by_bucket:
         return 0.0
     bucket = size_bucket(size)
     if bucket in by_bucket:
         return by_bucket[bucket]
     nearest = min(by_bucket, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
-    return by_bucket[nearest] * max(size, 1) / nearest
+    ratio = max(size, 1) / nearest
+    if ratio > 1:
+        ratio = 1 + (ratio - 1) * per_event_share
+    return by_bucket[nearest] * ratio
 
 
 @dataclass(frozen=True)

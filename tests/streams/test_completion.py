@@ -17,6 +17,29 @@ def test_sized_times_scale_from_the_nearest_measured_size():
     assert times.bounds(3.0)(8) == 0.0  # forgotten
 
 
+def test_a_time_mostly_per_batch_scales_only_in_its_per_event_share():
+    times = SizedTimes(window_s=2.0, per_event_share=0.1)
+    times.observe(1, 0.020, now_s=0.0)
+    bound = times.bounds(0.1)
+    assert bound(1) == pytest.approx(0.020)
+    assert bound(4) == pytest.approx(0.026)  # 20 ms per batch, a tenth of it per event
+    times.observe(8, 0.030, now_s=0.2)
+    assert times.bounds(0.3)(6) == pytest.approx(0.030)  # its own bucket once measured
+    later = SizedTimes(window_s=2.0, per_event_share=0.1)
+    later.observe(64, 0.080, now_s=0.0)  # an overload's batches, their queueing included
+    assert later.bounds(0.1)(2) == pytest.approx(0.0025)  # down: linear, soon measured
+
+
+def test_a_start_measured_on_single_events_does_not_shed_the_first_larger_batch():
+    # The worker's first batches held one event each: 24 ms outside the model (the store
+    # read and the publish round trip), 0.5 ms of model. Then a batch of 4 with 60 ms
+    # left: its estimate must stay near the measured per-batch time, not 4 x 24 ms.
+    model = CompletionModel(sessions=1)
+    model.full_runs.observe(1, 0.0005, now_s=0.0)
+    model.rest.observe(1, 0.024, now_s=0.0)
+    assert model.estimates(now_s=0.1, batch_size=4).full_s(4) < 0.040
+
+
 def test_sized_times_bounds_follow_each_observation_and_each_expiry():
     times = SizedTimes(window_s=2.0, quantile=0.99)
     times.observe(8, 0.080, now_s=0.0)

@@ -52,7 +52,13 @@ from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
 from tools.bench import flame
 from tools.bench.cpu import CpuMeter
-from tools.bench.latency import LatencyLog, LatencySummary, prediction_reader, raw_reader
+from tools.bench.latency import (
+    LatencyLog,
+    LatencySummary,
+    prediction_reader,
+    raw_reader,
+    warm_broker,
+)
 from tools.bench.mlserver import system as mlserver
 from tools.bench.mlserver.env import DEFAULT_VENV, MLServerUnavailable, ensure_venv
 from tools.bench.profile import scrape, stage_profile
@@ -86,9 +92,6 @@ SETTLE_TIMEOUT_S = 120.0
 # A system that can be restarted (MLServer: no backpressure, an overload backlog it may
 # never work off) is restarted on new topics when it has not caught up after this long.
 RESTART_AFTER_S = 30.0
-# Load on a throwaway topic before the first system is measured (JIT, page cache).
-BROKER_WARMUP_PER_S = 2_000.0
-BROKER_WARMUP_S = 5.0
 # Workers also run one step at this rate, to compare runtimes' CPU per event at one load.
 CPU_CHECK_PER_S = 1_000.0
 # An idle worker's CPU is measured after this long without input.
@@ -508,17 +511,10 @@ class Bench:
             system.reader.stop()
 
     def _warm_broker(self) -> None:
-        """Load the broker before anything is measured: a cold JVM's first seconds would
-        count against whichever system ran first (its first step's p99 reached 1.1 s)."""
+        """Load a throwaway topic before the first system is measured (JIT, page cache)."""
         topic = self._topic("warm", self.settings.partitions)
-        log = LatencyLog()
-        reader = raw_reader(self.bootstrap, [topic], log).start()
-        try:
-            report = send_at_rate(self.producer, topic, self.records, BROKER_WARMUP_PER_S,
-                                  BROKER_WARMUP_S)  # fmt: skip
-            reader.wait_for(report.sent, self.settings.drain_timeout_s)
-        finally:
-            reader.stop()
+        warm_broker(self.bootstrap, self.producer, topic, self.records,
+                    drain_timeout_s=self.settings.drain_timeout_s)  # fmt: skip
 
     def _run_raw_kafka(self, rates: list[float]) -> list[StepResult]:
         topic = self._topic("raw", self.settings.partitions)
