@@ -173,9 +173,11 @@ def _add_agent(
 
     def ack(messages: list) -> None:
         # The outcomes are written: Faust may now commit these offsets.
-        consumer_ack = app.consumer.ack
+        consumer = app.consumer
+        consumer_ack = consumer.ack
         for message in messages:
             consumer_ack(message)
+        consumer.acked()
         progress.answered({(m.topic, m.partition): m.offset for m in messages})
 
     def hold(topic: str, partition: int, paused: bool) -> None:

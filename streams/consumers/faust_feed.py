@@ -150,7 +150,33 @@ class _LoopConsumer(faust_aiokafka.AIOKafkaConsumerThread):
 
 
 class BulkConsumer(faust_aiokafka.Consumer):
-    """Faust's aiokafka consumer whose fetch loop hands over whole fetches."""
+    """Faust's aiokafka consumer whose fetch loop hands over whole fetches, and whose
+    commit timer sleeps while nothing was acknowledged."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._acked_since_commit = asyncio.Event()
+
+    def acked(self) -> None:
+        """Records were acknowledged (`Consumer.ack`): a commit is due within the interval."""
+        self._acked_since_commit.set()
+
+    @Service.task
+    async def _commit_handler(self) -> None:
+        """Faust's commit timer woke every `broker_commit_interval` (100 ms), acks or not:
+        idle, that and the loop turns it started were half of the worker's CPU (0.022
+        against 0.013 cores with a 1 s interval). Here it waits for an acknowledgement,
+        then for the interval, so that one commit covers the acks of an interval, as
+        Faust's timer did under load; what a stop or a rebalance commits is unchanged."""
+        interval = self.commit_interval
+        pending = self._acked_since_commit
+        while not self.should_stop:
+            await self.wait(pending.wait())
+            await self.sleep(interval)
+            if self.should_stop:
+                return
+            pending.clear()  # before the commit: an ack during it asks for the next one
+            await self.commit()
 
     def _new_consumer_thread(self) -> _LoopConsumer:
         return _LoopConsumer(self, loop=self.loop, beacon=self.beacon)
