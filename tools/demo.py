@@ -31,7 +31,7 @@ from schemas.codec import AvroEncoder
 from streams.app import create_topics
 from tools.answers import answer_decoder, event_encoder
 from tools.bench.cpu import CpuMeter
-from tools.bench.latency import warm_broker
+from tools.bench.latency import WARM_PER_S, WARM_S, warm_broker
 from tools.collector import OutcomeCollector
 from tools.deploy import (
     prepare_sample_assets,
@@ -68,7 +68,7 @@ def run_demo(
         step("starting Kafka")
         took = broker.start()
         step.done(f"on {broker.bootstrap_servers} in {took:.1f} s")
-        step("warming Kafka up (a throwaway topic at 2,000 records/s for 5 s)")
+        step(f"warming Kafka up ({WARM_PER_S:,.0f} records/s for {WARM_S:.0f} s, throwaway topic)")
         producer = Producer(
             {**client_settings(broker.bootstrap_servers, "producer"), "linger.ms": 1}
         )

@@ -22,6 +22,9 @@ from tools.loadgen import Record, send_at_rate
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 _MAX_US = 600_000_000  # ten minutes: anything later counts as ten minutes
+# The load that warms a freshly started broker up (`warm_broker`).
+WARM_PER_S = 2_000.0
+WARM_S = 5.0
 
 
 class LatencyLog:
@@ -91,8 +94,6 @@ def warm_broker(
     producer: Producer,
     topic: str,
     records: Iterator[Record],
-    rate_per_s: float = 2_000.0,
-    seconds: float = 5.0,
     drain_timeout_s: float = 60.0,
 ) -> int:
     """Load a freshly started broker before anything is measured, and read the load back.
@@ -104,7 +105,7 @@ def warm_broker(
     Returns the count of records read back."""
     reader = raw_reader(bootstrap, [topic], LatencyLog()).start()
     try:
-        report = send_at_rate(producer, topic, records, rate_per_s, seconds)
+        report = send_at_rate(producer, topic, records, WARM_PER_S, WARM_S)
         return reader.wait_for(report.sent, drain_timeout_s)
     finally:
         reader.stop()
