@@ -179,6 +179,20 @@ class FeatureLookup:
             )
             self._down_since = None
 
+    def warm(self, timeout_s: float) -> None:
+        """Blocking: read each view once on the store thread, outside the cache (its
+        connection, its first queries), within `timeout_s`; a store that fails or is slow
+        is logged, not raised: the breaker deals with it once events come."""
+        readers = [view.reader for view in self._views]
+        warming = self._executor.submit(lambda: [reader.warm() for reader in readers])
+        try:
+            warming.result(timeout_s)
+        except FeatureStoreError as exc:
+            log.warning("feature service %s: warm-up read failed: %s", self.service, exc)
+        except TimeoutError:
+            log.warning("feature service %s: warm-up read took over %.1f s; starting anyway",
+                        self.service, timeout_s)  # fmt: skip
+
     def read(self, events: Sequence[Mapping[str, Any]]) -> FeatureRows:
         """Blocking: features of `events`, one store read per view for the cache misses."""
         parts = [_ViewRead(view, events) for view in self._views]

@@ -31,8 +31,17 @@ from feast.infra.online_stores.sqlite import SqliteOnlineStore
 from feast.protos.feast.types.EntityKey_pb2 import EntityKey as EntityKeyProto
 from feast.protos.feast.types.Value_pb2 import Value as ValueProto
 from feast.type_map import python_values_to_proto_values
+from feast.value_type import ValueType
 
 from features.errors import FeatureStoreError
+
+# A key of each entity type for a warm-up read; whether an entity has it does not matter.
+_PLACEHOLDER_KEYS: dict[ValueType, Any] = {
+    ValueType.STRING: "headrace-warm-up",
+    ValueType.INT64: 0,
+    ValueType.INT32: 0,
+    ValueType.BYTES: b"headrace-warm-up",
+}
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,12 @@ class OnlineViewReader:
             if not np.isnan(values[row]).all():
                 stamps[row] = _epoch_s(event_ts)
         return ViewRows(values, stamps)
+
+    def warm(self) -> None:
+        """Blocking: one read of a placeholder key, so the first batch does not pay for
+        the store's connection and first query; FeatureStoreError as `read`."""
+        if all(kind in _PLACEHOLDER_KEYS for kind in self._value_types):
+            self.read([tuple(_PLACEHOLDER_KEYS[kind] for kind in self._value_types)])
 
     def _entity_keys(self, keys: Sequence[tuple]) -> list[EntityKeyProto]:
         columns = list(zip(*keys, strict=True)) if keys else [[] for _ in self.join_keys]

@@ -212,6 +212,17 @@ def unavailable(bootstrap_servers: str, what: str) -> BrokerUnavailable:
     )
 
 
+# What a consumer that reads ranges (`read_range`) sets. A broker answers one connection's
+# requests in order, so a fetch waiting at the broker (librdkafka's default wait: 500 ms)
+# held up the offset and metadata requests behind it: a worker's read-back at each
+# assignment (`streams/replay.py`) spent 300-500 ms per topic there.
+RANGE_READER_SETTINGS = {
+    "enable.auto.commit": False,
+    "enable.partition.eof": True,
+    "fetch.wait.max.ms": 10,
+}
+
+
 def read_range(
     consumer: Consumer,
     topic: str,
@@ -221,7 +232,7 @@ def read_range(
     deadline: float,
 ) -> None:
     """Hand `handle` every record of `topic` from `starts[p]` to below `stops[p]` per
-    partition (a consumer with `enable.partition.eof`). The end of a partition is where
+    partition (a consumer with `RANGE_READER_SETTINGS`). The end of a partition is where
     Kafka says it is (an end-of-partition event), not its last record read: a topic
     written in transactions ends with a marker. TimeoutError (naming the partitions
     left) past `deadline` (monotonic seconds)."""
@@ -230,7 +241,11 @@ def read_range(
     while pending:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{topic!r}: partitions {sorted(pending)} not read to the end")
-        for message in consumer.consume(1000, 0.2):
+        # What is here, without waiting for 1,000 (`consume` waits its whole timeout
+        # for fewer): the first record or event, then whatever came with it.
+        first = consumer.poll(0.2)
+        messages = [] if first is None else [first, *consumer.consume(1000, 0)]
+        for message in messages:
             partition, offset = message.partition(), message.offset()
             error = message.error()
             if error is not None:

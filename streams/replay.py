@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message
 from confluent_kafka import TopicPartition as KafkaPartition
 
-from infra.kafka_clients import read_range
+from infra.kafka_clients import RANGE_READER_SETTINGS, read_range
 from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError, RegistryError
 
@@ -111,8 +111,7 @@ class AnsweredBefore:
         self._settings = {
             **settings,
             "group.id": group,
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
+            **RANGE_READER_SETTINGS,
         }
         self._outcomes = outcomes
         self._decoder = decoder

@@ -25,7 +25,13 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from infra.kafka_clients import client_settings, list_topics, read_range, unavailable
+from infra.kafka_clients import (
+    RANGE_READER_SETTINGS,
+    client_settings,
+    list_topics,
+    read_range,
+    unavailable,
+)
 from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError
 from streams.config import HeadraceConfig, PipelineConfig
@@ -256,8 +262,7 @@ def _read(
     a partition is where Kafka says it is (an end-of-partition event), not its last
     record read."""
     consumer = clients.consumer(f"headrace-audit-{uuid.uuid4().hex[:8]}", **{
-        "enable.auto.commit": False, "enable.partition.eof": True,
-        "isolation.level": "read_committed"})  # fmt: skip
+        **RANGE_READER_SETTINGS, "isolation.level": "read_committed"})  # fmt: skip
     try:
         starts, stops = {}, {}
         for partition in _partitions(consumer, topic):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sqlite3
 import time
 
@@ -120,3 +121,31 @@ def test_a_locked_store_fails_reads_within_their_bound_then_refuses_them(store, 
     rows = asyncio.run(client.fetch(events, timeout_s=10.0))
     assert rows.columns["user_stats__txn_count_7d"].shape == (1,)
     client.close()
+
+
+def test_a_warm_up_reads_the_store_and_leaves_the_cache_to_events(store, caplog):
+    client = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS)
+    try:
+        readers = [view.reader for view in client._views]
+        assert all(reader._sqlite._connection is None for reader in readers)
+        client.warm(timeout_s=10.0)
+        # Each view's store connection is open and its first query made, off the cache.
+        assert all(reader._sqlite._connection is not None for reader in readers)
+        assert all(len(view.cache) == 0 for view in client._views)
+        assert not caplog.records
+    finally:
+        client.close()
+
+
+def test_a_warm_up_of_a_store_not_materialized_yet_is_logged_not_raised(
+    tmp_path, sample_assets, caplog
+):
+    repo = tmp_path / "repo"
+    shutil.copytree(sample_assets.repo, repo)
+    (repo / "data" / "online_store.db").unlink()
+    client = FeatureLookup(open_store(repo), "fraud_scoring", ENTITY_FIELDS)
+    try:
+        client.warm(timeout_s=10.0)
+    finally:
+        client.close()
+    assert "warm-up read failed" in caplog.text

@@ -332,3 +332,19 @@ def test_kafka_that_stays_unwritable_is_a_publish_error_and_nothing_is_repeated(
             publish(built, batch)
     built.stop()
     assert kafka.records("out") == [] and len(kafka.producers) == 1
+
+
+def test_a_warm_up_the_broker_does_not_answer_is_logged_not_raised(caplog):
+    kafka = FakeKafka({"out": 1_048_588, "dlq": 1_048_588})
+    built = publisher(kafka)
+    asked: list[float] = []
+
+    def unanswered(timeout: float) -> None:
+        asked.append(timeout)
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+    kafka.producers[0].list_topics = unanswered
+    built.warm(0.5)
+    built.stop()
+    assert asked == [0.5]
+    assert "could not read the topics' metadata" in caplog.text
