@@ -337,14 +337,16 @@ def test_kafka_that_stays_unwritable_is_a_publish_error_and_nothing_is_repeated(
 def test_a_warm_up_the_broker_does_not_answer_is_logged_not_raised(caplog):
     kafka = FakeKafka({"out": 1_048_588, "dlq": 1_048_588})
     built = publisher(kafka)
-    asked: list[float] = []
+    asked: list[tuple[str, float]] = []
 
-    def unanswered(timeout: float) -> None:
-        asked.append(timeout)
+    def unanswered(topic: str, timeout: float) -> None:
+        asked.append((topic, timeout))
         raise KafkaException(KafkaError(KafkaError._TRANSPORT))
 
     kafka.producers[0].list_topics = unanswered
     built.warm(0.5)
     built.stop()
-    assert asked == [0.5]
+    # Only the topics it writes, within the warm-up's time; the first failure ends it.
+    assert [topic for topic, _ in asked] == ["dlq"]
+    assert 0 < asked[0][1] <= 0.5
     assert "could not read the topics' metadata" in caplog.text
