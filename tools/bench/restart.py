@@ -89,8 +89,13 @@ def restart_run(
         worker = start_worker(state / "headrace.yaml", state / "first-life.log")
         send_at_rate(producer, spec.input_topic, itertools.islice(first, FIRST_LIFE_EVENTS),
                      50, FIRST_LIFE_EVENTS / 50)  # fmt: skip
-        collector.wait_for(FIRST_LIFE_EVENTS, READY_TIMEOUT_S)
+        answered = len(collector.wait_for(FIRST_LIFE_EVENTS, READY_TIMEOUT_S))
         stop_worker(worker)
+        if answered < FIRST_LIFE_EVENTS:
+            raise click.ClickException(
+                f"the worker's first life answered {answered} of {FIRST_LIFE_EVENTS} events; "
+                f"see {state / 'first-life.log'}"
+            )
 
         total = int(rate * seconds)
         load = list(itertools.islice(encoded(events_for(spec, world, 2, "load"), encoder), total))
