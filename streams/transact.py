@@ -186,6 +186,8 @@ class TransactionalPublisher(Publisher):
             # completing, say) after 10 ms, not 100 (about 1% of transactions took 100 ms
             # longer); retries back off exponentially from there, to 1 s.
             "retry.backoff.ms": 10,
+            # Its records are produced one by one; the commit sends what lingers at once.
+            "linger.ms": 1,
         }
 
         def make_transactional(config: dict[str, Any]) -> Any:

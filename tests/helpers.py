@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,24 @@ def produce_raw(bootstrap: str, topic: str, values: list[bytes], key: bytes = b"
     for value in values:
         producer.produce(topic, value, key)
     assert producer.flush(30) == 0
+
+
+def read_messages(bootstrap: str, topics: list[str], count: int, timeout_s: float) -> list:
+    """Up to `count` records of `topics` from their start (fewer when `timeout_s` passes)."""
+    consumer = Consumer({
+        "bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex[:8]}",
+        "auto.offset.reset": "earliest", "enable.auto.commit": False,
+    })  # fmt: skip
+    consumer.subscribe(topics)
+    messages, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(messages) < count and time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is not None and message.error() is None:
+                messages.append(message)
+    finally:
+        consumer.close()
+    return messages
 
 
 def wait_until(condition, timeout_s: float, interval_s: float = 0.2) -> bool:

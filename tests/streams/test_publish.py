@@ -55,6 +55,7 @@ class FakeProducer:
         self.kafka = kafka
         self.config = config
         self.stopped = False
+        self.batch_calls = 0
         self._queue: list[tuple[OutRecord, Callable]] = []
         self._changed = threading.Condition()
 
@@ -67,6 +68,18 @@ class FakeProducer:
         with self._changed:
             self._queue.append((record, on_delivery))
             self._changed.notify_all()
+
+    def produce_batch(self, topic, messages) -> int:
+        """librdkafka's batch call: each message queued, or marked with its `_error`."""
+        self.batch_calls += 1
+        queued = 0
+        for message in messages:
+            try:
+                self.produce(topic, message["value"], message["key"], [], message["callback"])
+                queued += 1
+            except KafkaException as exc:
+                message["_error"] = exc.args[0]
+        return queued
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -350,3 +363,17 @@ def test_a_warm_up_the_broker_does_not_answer_is_logged_not_raised(caplog):
     assert [topic for topic, _ in asked] == ["dlq"]
     assert 0 < asked[0][1] <= 0.5
     assert "could not read the topics' metadata" in caplog.text
+
+
+def test_a_batchs_plain_answers_are_handed_over_together_and_in_order():
+    kafka = FakeKafka({"out": 100_000, "dlq": 100_000})
+    built = publisher(kafka)
+    records = [answer(i) for i in range(4)] + [letter(4, b"x")] + [answer(i) for i in (5, 6, 7)]
+    publish(built, outgoing(records))
+    built.stop()
+    # Two runs of answers in one call each; the dead letter (headers) on its own.
+    assert kafka.producers[0].batch_calls == 2
+    assert [r.value[:4] for r in kafka.records("out")] == [
+        answer(i).value[:4] for i in (0, 1, 2, 3, 5, 6, 7)
+    ]
+    assert len(kafka.records("dlq")) == 1

@@ -4,11 +4,8 @@ outcome's `traceparent` names when a batch mixes traces."""
 
 from __future__ import annotations
 
-import time
-import uuid
-
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.exporter.zipkin.json import ZipkinExporter
 from opentelemetry.sdk.resources import Resource
@@ -23,7 +20,7 @@ from schemas.codec import AvroEncoder
 from streams.config import parse_config
 from streams.records import InputRecord, Item, OutRecord
 from streams.tracing import TRACEPARENT, Tracing
-from tests.helpers import PATIENT_BUDGET_MS, wait_until
+from tests.helpers import PATIENT_BUDGET_MS, read_messages, wait_until
 from tools.loadgen import sample_events
 
 STAGES = {"decode", "admit", "features", "infer", "encode", "publish"}
@@ -46,23 +43,6 @@ def trace_headers() -> list[tuple[str, bytes]]:
 def parent_of(headers) -> object:
     """The context a consumer continues from a record's headers."""
     return PROPAGATOR.extract({name: value.decode() for name, value in headers or []})
-
-
-def read_outcomes(bootstrap: str, topics: list[str], count: int, timeout_s: float) -> list:
-    consumer = Consumer({
-        "bootstrap.servers": bootstrap, "group.id": f"trace-test-{uuid.uuid4().hex[:8]}",
-        "auto.offset.reset": "earliest", "enable.auto.commit": False,
-    })  # fmt: skip
-    consumer.subscribe(topics)
-    messages, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(messages) < count and time.monotonic() < deadline:
-            message = consumer.poll(0.5)
-            if message is not None and message.error() is None:
-                messages.append(message)
-    finally:
-        consumer.close()
-    return messages
 
 
 @pytest.mark.integration
@@ -94,7 +74,7 @@ def test_a_producers_trace_goes_on_through_each_stage_to_the_consumer(
             producer.produce(spec.input_topic, b"\x00not avro", b"k", headers=headers)
             assert producer.flush(30) == 0
         trace_id = f"{sent.get_span_context().trace_id:032x}"
-        outcomes = read_outcomes(bootstrap, [spec.output_topic, spec.dead_letter_topic], 4, 90)
+        outcomes = read_messages(bootstrap, [spec.output_topic, spec.dead_letter_topic], 4, 90)
         assert len(outcomes) == 4, deployment.log_tail()
         for message in outcomes:
             parent = parent_of(message.headers())
@@ -152,7 +132,7 @@ def test_with_the_otlp_exporter_the_trace_reaches_an_otlp_backend(deploy, jaeger
                 producer.produce(spec.input_topic, encoder.encode(event), b"k", headers=headers)
             assert producer.flush(30) == 0
         trace_id = f"{sent.get_span_context().trace_id:032x}"
-        assert len(read_outcomes(bootstrap, [spec.output_topic], 3, 90)) == 3, deployment.log_tail()
+        assert len(read_messages(bootstrap, [spec.output_topic], 3, 90)) == 3, deployment.log_tail()
 
         def whole_trace() -> list[dict] | None:
             spans = jaeger.trace(trace_id)
