@@ -82,6 +82,25 @@ async def test_fetch_runs_off_the_loop_and_matches_read(lookup):
         np.testing.assert_array_equal(fetched.columns[ref], direct.columns[ref])
 
 
+async def test_a_few_misses_are_read_on_the_loop_and_many_on_the_store_thread(store):
+    client = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS, FeatureCacheConfig(max_entries=0))
+    handed: list[int] = []
+    submit = client._executor.submit
+    client._executor.submit = lambda *args: handed.append(1) or submit(*args)
+    try:
+        few = [{"user_id": f"u{i:07d}", "merchant_id": f"m{i:06d}"} for i in range(3)]
+        fetched = await client.fetch(few)
+        assert handed == []  # 6 keys: no hand-off to the store thread
+        many = [{"user_id": f"u{i:07d}", "merchant_id": f"m{i:06d}"} for i in range(20)]
+        await client.fetch(many)
+        assert handed == [1]
+        direct = client.read(few)
+        for ref in client.feature_refs:
+            np.testing.assert_array_equal(fetched.columns[ref], direct.columns[ref])
+    finally:
+        client.close()
+
+
 def test_empty_batch(lookup):
     rows = lookup.read([])
     assert rows.unique_keys == 0
@@ -127,10 +146,11 @@ def test_a_warm_up_reads_the_store_and_leaves_the_cache_to_events(store, caplog)
     client = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS)
     try:
         readers = [view.reader for view in client._views]
-        assert all(reader._sqlite._connection is None for reader in readers)
+        assert all(not reader._sqlite._connections for reader in readers)
         client.warm(timeout_s=10.0)
-        # Each view's store connection is open and its first query made, off the cache.
-        assert all(reader._sqlite._connection is not None for reader in readers)
+        # Each view's store connections (the store thread's, the event loop's) are open
+        # and their first queries made, off the cache.
+        assert all(set(reader._sqlite._connections) == {True, False} for reader in readers)
         assert all(len(view.cache) == 0 for view in client._views)
         assert not caplog.records
     finally:
