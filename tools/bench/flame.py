@@ -22,23 +22,42 @@ from pathlib import Path
 
 SAMPLE_RATE_HZ = 200
 
+# Our modules as py-spy names them: it shortens a file's path by the longest entry of
+# the worker's import path it finds, so `streams/publish.py` may show as `publish.py`.
+_STREAMS = r"\((?:streams/)?"
+_OWN_MODULES = "|".join(
+    sorted(path.stem for path in (Path(__file__).parents[2] / "streams").glob("[a-z]*.py"))
+)
+
 # (stage, pattern on "function (file:line)"), tried on each frame from the leaf up.
 STAGE_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple(
     (stage, re.compile(pattern))
     for stage, pattern in (
-        ("metrics", r"prometheus_client"),
-        ("infer", r"onnxruntime|\(models/"),
-        ("decode", r"\((schemas/codec\.py|schemas/validation\.py)|\bdecode \(|fastavro.*read"),
-        ("encode", r"\bencode \(|_outcomes \(|fastavro.*writ"),
+        ("metrics", r"prometheus_client|" + _STREAMS + r"metrics\.py"),
+        ("infer", r"onnxruntime|\(models/|" + _STREAMS + r"infer\.py"),
+        (
+            "decode",
+            r"\((schemas/codec\.py|schemas/validation\.py)|\bdecode \((?!aiokafka)|fastavro.*read|"
+            + _STREAMS
+            + r"(?:decode|holds)\.py",
+        ),
+        (
+            "encode",
+            r"\bencode \((?!aiokafka)|_outcomes \(|fastavro.*writ|" + _STREAMS + r"encode\.py",
+        ),
         ("features", r"\(features/"),
-        ("publish", r"\(streams/publish\.py|\bproduce \("),
+        ("publish", _STREAMS + r"(?:publish|outgoing|transact)\.py|\bproduce \("),
         ("ack/commit", r"\back\b|commit|store_offsets|_store_offsets"),
-        ("admit", r"\((streams/admit\.py|streams/batching\.py)"),
+        ("admit", _STREAMS + r"(?:admit|batching|backpressure)\.py|\bPipeline\.route\b"),
+        # Faust's worker runs the loop: samples on its frame are the loop's own work.
+        ("event loop and hand-offs", r"Worker\.execute_from_commandline \(mode/"),
         (
             "consume",
-            r"faust|aiokafka|mode/|\(streams/consumers/|\bconsume \(|"
-            r"\bpoll \(",
+            r"faust|aiokafka|mode/|" + _STREAMS + r"consumers/|\bconsume \(|\bpoll \(",
         ),
+        # The rest of our own code (the runner's and the pipeline's bookkeeping): its
+        # own work, not the event loop or the consumer that called it.
+        ("other", _STREAMS + rf"(?:{_OWN_MODULES})\.py"),
         ("event loop and hand-offs", r"asyncio|uvloop|threading|concurrent/futures|queue\.py"),
     )
 )

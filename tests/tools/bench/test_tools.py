@@ -78,6 +78,27 @@ def test_samples_go_to_the_stage_of_their_innermost_known_frame():
     assert flame.top_functions(stacks, 1) == [(run, 0.6)]
 
 
+def test_our_frames_count_as_their_stage_with_or_without_their_package_in_the_path():
+    # py-spy may shorten `streams/publish.py` to `publish.py`; either way the frame is
+    # ours, not the event loop's or Faust's above it.
+    loop = ("run (asyncio/runners.py:190)", "Runner.run (asyncio/runners.py:118)")
+    agent = ("_add_agent.<locals>.consume (consumers/faust.py:120)",)
+    publish = ("PipelineRunner._publish (runner.py:375)", "produce_together (publish.py:445)")
+    admit = ("PipelineRunner._put (streams/runner.py:285)", "Tickets.priority (admit.py:213)")
+    count = ("PipelineRunner._release (runner.py:330)", "Pipeline._count (pipeline.py:392)")
+    wake = ("MicroBatcher.put (batching.py:141)", "Event.set (asyncio/locks.py:192)")
+    stacks = Counter({
+        (*loop, *publish): 4,
+        (*agent, *admit): 3,
+        (*loop, *count): 2,
+        (*agent, "Struct.decode (aiokafka/protocol/struct.py:35)"): 1,
+        ("Worker.execute_from_commandline (mode/worker.py:264)",): 1,
+        (*loop, *wake): 1,
+    })  # fmt: skip
+    shares = {"publish": 4, "admit": 3, "other": 2, "consume": 1, "event loop and hand-offs": 2}
+    assert flame.by_stage(stacks) == {stage: n / 12 for stage, n in shares.items()}
+
+
 def test_the_flame_graph_has_a_box_per_frame_with_its_share(tmp_path):
     stacks = Counter({("a (x.py:1)", "b (x.py:2)"): 3, ("a (x.py:1)", "c (x.py:3)"): 1})
     svg = flame.write_svg(stacks, "test", tmp_path / "f.svg").read_text()
