@@ -108,6 +108,25 @@ def test_a_batch_takes_only_as_many_full_events_as_can_all_finish_in_time():
     assert routes == [Route.FULL] * 5 + [Route.FALLBACK]
 
 
+def test_a_batch_whose_events_can_all_wait_for_it_is_taken_with_one_estimate():
+    admit = admission()
+    asked: list[int] = []
+
+    def full_s(n: int) -> float:
+        asked.append(n)
+        return 0.010 + (n - 1) * 0.005
+
+    batch = [Candidate(NOW_S + 0.031 + i * 0.001, 1, False) for i in range(5)]
+    decisions = admit.decide(batch, NOW_S, Estimates(full_s, 0.002))
+    assert [d.route for d in decisions] == [Route.FULL] * 5
+    assert asked == [5]  # 30 ms for all five, within the tightest 31 ms
+    asked.clear()
+    decisions = admit.decide([*batch, Candidate(NOW_S + 0.031, 1, False)], NOW_S,
+                             Estimates(full_s, 0.002))  # fmt: skip
+    assert [d.route for d in decisions] == [Route.FULL] * 5 + [Route.FALLBACK]
+    assert asked == [6, 1, 2, 3, 4, 5, 6]  # not all of them: event by event
+
+
 def test_an_urgent_event_limits_how_many_join_it():
     admit = admission()
     urgent = Candidate(NOW_S + 0.016, 1, False)
