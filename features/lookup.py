@@ -165,9 +165,11 @@ class FeatureLookup:
         ):
             return None
         try:
-            return [part.read_misses(wait=False) for part in parts]
+            fresh = [part.read_misses(wait=False) for part in parts]
         except FeatureStoreError:
             return None
+        self.breaker.succeeded()  # as a read on the thread: failures count in a row
+        return fresh
 
     async def _read_store(self, parts: list[_ViewRead], timeout_s: float | None) -> list:
         loop = asyncio.get_running_loop()

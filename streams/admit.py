@@ -141,8 +141,8 @@ class Admission:
         reserve_s = self._reserve_s
         # Mostly every event can wait for the whole batch: then all are taken, with one
         # estimate instead of one per event.
-        tightest_s = min((c.deadline_s - reserve_s[c.priority] for c in candidates), default=0.0)
-        if candidates and tightest_s - now_s >= estimates.full_s(len(candidates)):
+        earliest_s = min((c.deadline_s - reserve_s[c.priority] for c in candidates), default=0.0)
+        if candidates and earliest_s - now_s >= estimates.full_s(len(candidates)):
             return [_TAKEN] * len(candidates)
         decisions = []
         taken = 0

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from features.breaker import StoreBreaker
+from features.breaker import BreakerState, StoreBreaker
 from features.config import FeatureCacheConfig
 from features.errors import FeatureStoreError, StoreUnavailable
 from features.lookup import FeatureLookup
@@ -140,6 +140,32 @@ def test_a_locked_store_fails_reads_within_their_bound_then_refuses_them(store, 
     rows = asyncio.run(client.fetch(events, timeout_s=10.0))
     assert rows.columns["user_stats__txn_count_7d"].shape == (1,)
     client.close()
+
+
+def test_a_read_on_the_loop_that_succeeds_ends_a_run_of_failures(store, sample_assets):
+    client = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS, FeatureCacheConfig(max_entries=0))
+    client.breaker = StoreBreaker(2, 1.0, lambda: 0.0, client._breaker_changed)
+    events = [{"user_id": "u0000003", "merchant_id": "m000010"}]
+    database = sample_assets.repo / "data" / "online_store.db"
+
+    def fetch_while_locked() -> None:
+        lock = sqlite3.connect(database, isolation_level=None)
+        try:
+            lock.execute("BEGIN EXCLUSIVE")
+            with pytest.raises(StoreUnavailable, match="took over 50 ms"):
+                asyncio.run(client.fetch(events, timeout_s=0.05))
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+
+    try:
+        fetch_while_locked()
+        asyncio.run(client.fetch(events, timeout_s=10.0))  # read on the loop, in time
+        fetch_while_locked()
+        # Two failures, but not in a row: the store is still read.
+        assert client.breaker.state is BreakerState.CLOSED
+    finally:
+        client.close()
 
 
 def test_a_warm_up_reads_the_store_and_leaves_the_cache_to_events(store, caplog):
