@@ -19,6 +19,7 @@ from fastavro.read import SchemaResolutionError
 
 from schemas.catalogue import SchemaCatalogue, load_schema
 from schemas.errors import DecodeError, SchemaNotFoundError
+from schemas.record_writer import NotHandled, compile_writer
 
 MAGIC_BYTE = 0
 _HEADER = struct.Struct(">bI")
@@ -130,10 +131,21 @@ class AvroEncoder:
     def __init__(self, catalogue: SchemaCatalogue, schema: Schema, subject: str) -> None:
         raw = _raw(schema)
         self._schema = fastavro.parse_schema(raw)
+        self._write = compile_writer(raw)
         self.schema_id = catalogue.id_for(subject, raw)
         self._header = _HEADER.pack(MAGIC_BYTE, self.schema_id)
 
     def encode(self, record: dict[str, Any]) -> bytes:
+        if self._write is not None:
+            out = bytearray(self._header)
+            try:
+                self._write(out, record)
+                return bytes(out)
+            except NotHandled:
+                pass  # fastavro writes it, or raises its own error
+        return self._encode_with_fastavro(record)
+
+    def _encode_with_fastavro(self, record: dict[str, Any]) -> bytes:
         out = io.BytesIO()
         out.write(self._header)
         fastavro.schemaless_writer(out, self._schema, record)

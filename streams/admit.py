@@ -216,6 +216,8 @@ class Tickets:
                     value = raw
         if value is None and self._field is not None:
             value = event.get(self._field)
+        if value is None:  # the usual case, without the cost of int(None) raising
+            return self._default
         try:
             return self._admission.clamp(int(value))
         except (TypeError, ValueError):  # absent or not a number
