@@ -7,10 +7,14 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pandas as pd
 import pytest
+from feast.infra.key_encoding_utils import serialize_entity_key
+from feast.protos.feast.types.EntityKey_pb2 import EntityKey as EntityKeyProto
+from feast.type_map import python_values_to_proto_values
+from feast.value_type import ValueType
 
 from features.config import FeatureCacheConfig
 from features.lookup import FeatureLookup
-from features.online_read import OnlineViewReader
+from features.online_read import OnlineViewReader, _direct_key_serializer
 from features.store import open_store
 
 ENTITY_FIELDS = {"user_id": "user_id", "merchant_id": "merchant_id"}
@@ -130,3 +134,27 @@ def test_the_sqlite_store_read_with_sql_equals_the_providers_read(sample_assets)
     np.testing.assert_array_equal(by_sql.values, by_provider.values)
     np.testing.assert_array_equal(by_sql.event_ts_s, by_provider.event_ts_s)
     assert reader.read([]).values.shape == (0, len(USER_FEATURES))
+
+
+@pytest.mark.parametrize(
+    ("value_type", "values"),
+    [(ValueType.STRING, ["u0000001", "ü-ß", ""]), (ValueType.INT64, [0, -1, 2**40])],
+)
+def test_keys_are_serialized_as_feast_serializes_them(value_type, values):
+    def entity_keys(keys):
+        values = python_values_to_proto_values([key[0] for key in keys], value_type)
+        return [EntityKeyProto(join_keys=["k"], entity_values=[value]) for value in values]
+
+    blob_of = _direct_key_serializer(["k"], [value_type], 3, entity_keys)
+    assert blob_of is not None
+    for value, proto in zip(values, entity_keys([(v,) for v in values]), strict=True):
+        assert blob_of(value) == serialize_entity_key(proto, entity_key_serialization_version=3)
+    assert _direct_key_serializer(["a", "b"], [value_type] * 2, 3, entity_keys) is None
+
+
+def test_a_key_of_another_python_type_is_serialized_by_feast(sample_assets):
+    reader = OnlineViewReader(open_store(sample_assets.repo), "user_stats", USER_FEATURES)
+    assert reader._blob_of is not None  # string keys take the direct path
+    (direct,) = reader._serialized([("u0000001",)]).values()
+    (by_feast,) = reader._serialized([(np.str_("u0000001"),)]).values()
+    assert by_feast == direct
