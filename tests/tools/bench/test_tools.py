@@ -9,9 +9,10 @@ import time
 from collections import Counter
 from types import SimpleNamespace
 
-from tools.bench import devices, flame
+from tools.bench import devices, flame, stages
 from tools.bench.cpu import CpuMeter, cpu_seconds, thread_cpu_seconds
 from tools.bench.harness import Bench, BenchSettings
+from tools.deploy import sample_config, write_config
 
 
 def test_the_cpu_meter_sees_this_process_burn_cpu():
@@ -146,3 +147,16 @@ def test_a_failing_sweep_step_runs_again_and_bisection_repeats_must_all_pass():
         "sustainable_per_s": 300, "first_failing_per_s": 350, "capped": False,
     }  # fmt: skip
     assert len(steps) == len(runs)
+
+
+def test_the_stage_cost_runs_a_pipeline_without_kafka_and_counts_its_batches(
+    sample_assets, tmp_path
+):
+    raw = sample_config("127.0.0.1:1", sample_assets.repo, sample_assets.model)
+    config = write_config(raw, tmp_path / "worker.yaml")
+    costs = stages.measure(config, batch_sizes=(1, 32), pause_ms=(0.0, 2.0), windows=2)
+    assert [(c.batch_size, c.pause_ms) for c in costs] == [(1, 0), (1, 2), (32, 0), (32, 2)]
+    assert all(0 < c.min_us <= c.median_us for c in costs)
+    # A batch of 32 costs more than one of 1, and less than 32 of them: a per-batch part.
+    hot_one, hot_many = costs[0].min_us, costs[2].min_us
+    assert hot_one < hot_many < 32 * hot_one
