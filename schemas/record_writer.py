@@ -30,7 +30,7 @@ _INT_RANGE = range(-(2**31), 2**31)
 _LONG_RANGE = range(-(2**63), 2**63)
 _PACK_FLOAT = struct.Struct("<f").pack
 _PACK_DOUBLE = struct.Struct("<d").pack
-# Strings encoded once, with their length prefix (bounded: most answers repeat a few).
+# Strings kept encoded, with their length prefix: most of an answer's strings repeat.
 _MAX_KNOWN_STRINGS = 4_096
 _PRIMITIVES = {"null", "boolean", "int", "long", "float", "double", "string", "bytes"}
 
@@ -135,8 +135,10 @@ class _Strings:
         prefix = bytearray()
         _write_count(prefix, len(text))
         encoded = bytes(prefix) + text
-        if len(self._known) < _MAX_KNOWN_STRINGS:
-            self._known[value] = encoded
+        if len(self._known) >= _MAX_KNOWN_STRINGS:
+            # Unique strings (event ids) fill it: start again, so the repeated ones come back.
+            self._known.clear()
+        self._known[value] = encoded
         return encoded
 
 

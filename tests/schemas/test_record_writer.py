@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from schemas.answer import answer_schema
 from schemas.catalogue import LocalCatalogue, load_schema
 from schemas.codec import AvroEncoder
-from schemas.record_writer import compile_writer
+from schemas.record_writer import _MAX_KNOWN_STRINGS, _Strings, compile_writer
 
 RICH = {
     "type": "record",
@@ -172,3 +172,15 @@ EXAMPLE = {
     "colour": "GREEN", "tags": ["a"], "counts": {"k": -1}, "inner": {"label": "l", "weight": 1.0},
     "inners": [], "maybe_inner": {"label": "m", "weight": 2.0}, "second_colour": "RED",
 }  # fmt: skip
+
+
+def test_strings_kept_encoded_stay_bounded_and_right():
+    strings = _Strings()
+    for i in range(3 * _MAX_KNOWN_STRINGS):
+        out = bytearray()
+        strings.write(out, f"id-{i}")
+        assert len(strings._known) <= _MAX_KNOWN_STRINGS
+    out = bytearray()
+    strings.write(out, "OK")
+    strings.write(out, "OK")  # the second from what was kept
+    assert bytes(out) == b"\x04OK\x04OK"
