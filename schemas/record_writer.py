@@ -33,6 +33,9 @@ _PACK_DOUBLE = struct.Struct("<d").pack
 # Strings kept encoded, with their length prefix: most of an answer's strings repeat.
 _MAX_KNOWN_STRINGS = 4_096
 _PRIMITIVES = {"null", "boolean", "int", "long", "float", "double", "string", "bytes"}
+# Names fastavro's writer would take for a type of its own, if a schema named a type so.
+_RESERVED_NAMES = _PRIMITIVES | {"record", "error", "enum", "array", "map", "fixed", "union",
+                                 "request"}  # fmt: skip
 
 
 class NotHandled(Exception):
@@ -46,6 +49,8 @@ class _Unsupported(Exception):
 def compile_writer(schema: dict[str, Any]) -> Writer | None:
     """The writer of records of `schema` (Avro JSON, not fastavro's parsed form); None
     when the schema holds a type this module does not cover."""
+    if not isinstance(schema, dict):
+        return None
     try:
         return _Compiler(schema.get("namespace", "")).writer(schema, "")
     except _Unsupported:
@@ -95,14 +100,14 @@ def _number(value: Any) -> float:
 def _write_float(out: bytearray, value: Any) -> None:
     try:
         out += _PACK_FLOAT(_number(value))
-    except OverflowError:  # beyond float32: fastavro's cast decides
+    except (OverflowError, struct.error):  # beyond float32: fastavro's cast decides
         raise NotHandled from None
 
 
 def _write_double(out: bytearray, value: Any) -> None:
     try:
         out += _PACK_DOUBLE(_number(value))
-    except OverflowError:  # an int beyond a double
+    except (OverflowError, struct.error):  # an int beyond a double
         raise NotHandled from None
 
 
@@ -192,6 +197,8 @@ class _Compiler:
 
     def _define(self, schema: dict[str, Any], namespace: str, writer: Writer) -> str:
         name = schema["name"]
+        if name in _RESERVED_NAMES:
+            raise _Unsupported
         space = schema.get("namespace", namespace)
         full = name if "." in name or not space else f"{space}.{name}"
         self._named[full] = writer
@@ -201,7 +208,8 @@ class _Compiler:
         fields: list[tuple[str, Writer]] = []
 
         def write_record(out: bytearray, value: Any) -> None:
-            if type(value) is not dict:
+            # "-type" names the record a value is meant for: fastavro checks it.
+            if type(value) is not dict or "-type" in value:
                 raise NotHandled
             try:
                 for name, write in fields:

@@ -184,3 +184,31 @@ def test_strings_kept_encoded_stay_bounded_and_right():
     strings.write(out, "OK")
     strings.write(out, "OK")  # the second from what was kept
     assert bytes(out) == b"\x04OK\x04OK"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"ratio": 2**200},  # an int beyond float32 and beyond a double
+        {"precise": 10**400},
+        {"ratio": 2**128 - 2**103},
+        {"maybe_inner": {"label": "m", "weight": 2.0, "-type": "test.rich.Other"}},
+    ],
+)
+def test_numbers_beyond_a_float_and_named_values_are_fastavros_too(change):
+    encoder = AvroEncoder(LocalCatalogue(), RICH, "rich-value")
+    record = {**EXAMPLE, **change}
+    try:
+        expected = encoder._encode_with_fastavro(record)
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            encoder.encode(record)
+        return
+    assert encoder.encode(record) == expected
+
+
+def test_types_named_like_avro_keywords_and_top_level_unions_are_not_compiled():
+    named_map = {"type": "enum", "name": "map", "symbols": ["A"]}
+    schema = {"type": "record", "name": "R", "fields": [{"name": "e", "type": named_map}]}
+    assert compile_writer(schema) is None
+    assert compile_writer(["null", "string"]) is None
