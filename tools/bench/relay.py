@@ -3,12 +3,13 @@
 The relay consumes each record and produces it again (same key, value and timestamp;
 idempotent producer, `acks=all`, offsets stored on delivery), and does nothing else.
 Its CPU per event is what any Python worker on this machine pays for Kafka alone, and
-its round trip is the latency floor of one more hop. Run it beside a worker to read
-the worker's figures against it, or with other fetch settings to see what they cost:
+its round trip is the latency floor of one more hop. It fetches as the bare runtime
+does by default. Run it beside a worker to read the worker's figures against it, or
+with other consumer settings to see what they cost:
 
     python -m tools.bench.relay --bootstrap 127.0.0.1:9092 --rate 100 --seconds 15
     python -m tools.bench.relay --bootstrap 127.0.0.1:9092 --rate 100 --seconds 15 \\
-        --fetch-min-bytes 1 --fetch-max-wait-ms 500
+        --fetch-min-bytes 1 --fetch-max-wait-ms 500 --set queued.min.messages=1000 --one-key
 
 Prints the relay process's CPU per event, its idle cores, and the round trip's
 percentiles (from each input's intended send time to the moment its copy is read).
@@ -53,12 +54,12 @@ class RelayResult:
         )
 
 
-def serve(bootstrap: str, source: str, sink: str, fetch_min_bytes: int, fetch_wait_ms: int):
+def serve(bootstrap: str, source: str, sink: str, consumer_settings: dict[str, object]):
     """The relay itself (its own process): until a record whose value is `STOP`."""
     consumer = Consumer({
         **client_settings(bootstrap, "relay-consumer"),
         "group.id": source, "auto.offset.reset": "earliest", "enable.auto.offset.store": False,
-        "fetch.min.bytes": fetch_min_bytes, "fetch.wait.max.ms": fetch_wait_ms,
+        **consumer_settings,
     })  # fmt: skip
     producer = Producer({**client_settings(bootstrap, "relay-producer"), "linger.ms": 1,
                          "enable.idempotence": True, "acks": "all"})  # fmt: skip
@@ -87,9 +88,9 @@ def measure(
     bootstrap: str,
     rate: float,
     seconds: float,
-    fetch_min_bytes: int = 16_384,
-    fetch_wait_ms: int = 5,
+    consumer_settings: dict[str, object],
     idle_s: float = 5.0,
+    one_key: bool = False,
 ) -> RelayResult:
     """Start a relay process on new topics, measure it idle then at `rate`, stop it."""
     tag = uuid.uuid4().hex[:8]
@@ -97,8 +98,8 @@ def measure(
     ensure_topics(bootstrap, {source: 3, sink: 3})
     relay = subprocess.Popen([
         sys.executable, "-m", "tools.bench.relay", "--serve", "--bootstrap", bootstrap,
-        "--source", source, "--sink", sink, "--fetch-min-bytes", str(fetch_min_bytes),
-        "--fetch-max-wait-ms", str(fetch_wait_ms),
+        "--source", source, "--sink", sink,
+        *(f"--set={key}={value}" for key, value in consumer_settings.items()),
     ])  # fmt: skip
     log = LatencyLog()
     reader = raw_reader(bootstrap, [sink], log).start()
@@ -113,7 +114,8 @@ def measure(
         time.sleep(idle_s)
         idle_cores = (cpu_seconds(relay.pid) - idle_before) / idle_s
         before = cpu_seconds(relay.pid)
-        report = send_at_rate(producer, source, _records(b"x" * 200), rate, seconds)
+        records = _records(b"x" * 200, one_key)
+        report = send_at_rate(producer, source, records, rate, seconds)
         reader.wait_for(warm_up.sent + report.sent, 30)
         cpu_s = cpu_seconds(relay.pid) - before
         for partition in range(3):
@@ -132,10 +134,11 @@ def measure(
                        summary.count, report.sent)  # fmt: skip
 
 
-def _records(value: bytes) -> Iterator[tuple[bytes, bytes]]:
+def _records(value: bytes, one_key: bool = False) -> Iterator[tuple[bytes, bytes]]:
+    """Keys spread over the partitions, or (`one_key`) all on one of them."""
     number = 0
     while True:
-        yield str(number).encode(), value
+        yield (b"0" if one_key else str(number).encode()), value
         number += 1
 
 
@@ -145,17 +148,34 @@ def _records(value: bytes) -> Iterator[tuple[bytes, bytes]]:
 @click.option("--seconds", type=float, default=15.0, show_default=True)
 @click.option("--fetch-min-bytes", type=int, default=16_384, show_default=True)
 @click.option("--fetch-max-wait-ms", type=int, default=5, show_default=True)
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A librdkafka consumer setting over those; repeatable.",
+)
+@click.option("--one-key", is_flag=True, help="Every record on one partition of the three.")
 @click.option("--serve", "serve_relay", is_flag=True, hidden=True)
 @click.option("--source", hidden=True)
 @click.option("--sink", hidden=True)
-def main(bootstrap, rate, seconds, fetch_min_bytes, fetch_max_wait_ms, serve_relay, source, sink):
+def main(bootstrap, rate, seconds, fetch_min_bytes, fetch_max_wait_ms, settings, one_key,
+         serve_relay, source, sink):  # fmt: skip
     """Measure a plain confluent-kafka relay: the Kafka floor of a worker's figures."""
-    if serve_relay:
-        serve(bootstrap, source, sink, fetch_min_bytes, fetch_max_wait_ms)
+    overrides = {}
+    for setting in settings:
+        key, separator, value = setting.partition("=")
+        if not separator:
+            raise click.BadParameter(f"{setting!r} is not KEY=VALUE", param_hint="--set")
+        overrides[key] = value
+    if serve_relay:  # the measuring process passes every setting
+        serve(bootstrap, source, sink, overrides)
         return
-    result = measure(bootstrap, rate, seconds, fetch_min_bytes, fetch_max_wait_ms)
-    click.echo(f"relay at {rate:g}/s (fetch.min.bytes {fetch_min_bytes}, "
-               f"fetch.wait.max.ms {fetch_max_wait_ms}): {result.line()}")  # fmt: skip
+    consumer_settings = {"fetch.min.bytes": str(fetch_min_bytes),
+                         "fetch.wait.max.ms": str(fetch_max_wait_ms), **overrides}  # fmt: skip
+    result = measure(bootstrap, rate, seconds, consumer_settings, one_key=one_key)
+    described = ", ".join(f"{key} {value}" for key, value in consumer_settings.items())
+    click.echo(f"relay at {rate:g}/s ({described}): {result.line()}")
 
 
 if __name__ == "__main__":
