@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 from features.errors import FeatureStoreError
 from models.errors import ModelError
 from streams import metrics
-from streams.admit import CompletionModel, Estimates, Route
+from streams.admit import NO_RESERVATION, CompletionModel, Estimates, Reservation, Route
 from streams.backpressure import InFlight
 from streams.batching import BatchPolicy, MicroBatcher
 from streams.decode import EventDecoder
@@ -64,8 +64,8 @@ PausePartition = Callable[[str, int, bool], None]
 @dataclass
 class _Batch:
     items: list[Item]
-    reservation_s: float = 0.0
-    """Its full-model work as counted ahead of later batches (CompletionModel)."""
+    reservation: Reservation = NO_RESERVATION
+    """Its model run and publish as counted ahead of later batches (CompletionModel)."""
     outside_model_s: float = 0.0
     """Seconds spent so far outside the model runs (decode, features)."""
 
@@ -336,7 +336,10 @@ class PipelineRunner:
             estimates = self._estimates("admission", now, len(items))
             with prepared.trace.stage("admit"):
                 self.pipeline.route(prepared.admitted, estimates)
-            batch.reservation_s = self._completion.reserve(prepared.count(Route.FULL), now)
+            # Publishes handed over while one commits overlap: not a line to wait in.
+            batch.reservation = self._completion.reserve(
+                prepared.count(Route.FULL), len(items), now, publish=self._committing is None
+            )
             features = asyncio.create_task(
                 self._retrying(batch.records, "features", self.pipeline.read_features, prepared)
             )
@@ -353,7 +356,7 @@ class PipelineRunner:
             ) / 1e6
             # Again, now that its features are read: the work ahead may have grown.
             full = [item for item in prepared.admitted if item.route is Route.FULL]
-            estimates = self._estimates("inference", started, len(batch.items), batch.reservation_s)
+            estimates = self._estimates("inference", started, len(batch.items), batch.reservation)
             self.pipeline.route(full, estimates)
             inference = asyncio.create_task(self._run_models(batch, prepared))
             await self._to_publish.put((batch, prepared, inference, self._clock()))
@@ -362,7 +365,7 @@ class PipelineRunner:
         try:
             await self._retrying(batch.records, "inference", self.pipeline.infer, prepared)
         finally:
-            self._completion.release(batch.reservation_s)
+            self._completion.release_model(batch.reservation)
         now = self._clock()
         runs = prepared.run_seconds
         if Route.FULL in runs:
@@ -422,12 +425,15 @@ class PipelineRunner:
         )  # fmt: skip
         self._completion.slowest_stages.observe(size, slowest_s, done)
         self._completion.rest.observe(size, batch.outside_model_s + publish_s, done)
+        self._completion.release_publish(batch.reservation)
+        if self._committing is None:
+            self._completion.publishes.observe(size, publish_s, done)
         await self.in_flight.done(size)
 
     def _estimates(
-        self, check: str, now: float, batch_size: int, own_reservation_s: float = 0.0
+        self, check: str, now: float, batch_size: int, own: Reservation = NO_RESERVATION
     ) -> Estimates:
-        estimates = self._completion.estimates(now, batch_size, own_reservation_s)
+        estimates = self._completion.estimates(now, batch_size, own)
         self._metrics.estimate("full", check).set(estimates.full_s(1))
         self._metrics.estimate("fallback", check).set(estimates.fallback_s)
         return estimates

@@ -72,21 +72,21 @@ def test_work_admitted_ahead_delays_a_batch_until_its_run_ends():
     model.rest.observe(4, 0.005, now_s=0.0)  # decode, features and publish: 5 ms
     alone = model.estimates(now_s=0.1, batch_size=4).full_s(4)
     assert alone == pytest.approx(0.025)
-    first = model.reserve(4, now_s=0.1)
+    first = model.reserve(4, 4, now_s=0.1)
     behind = model.estimates(now_s=0.1, batch_size=4)
     assert behind.full_s(4) == pytest.approx(0.045)
     assert behind.fallback_s == pytest.approx(0.025)  # ordered behind it too
     # The reserved batch itself does not wait for its own run.
-    assert model.estimates(0.1, 4, own_reservation_s=first).full_s(4) == pytest.approx(0.025)
-    model.release(first)
+    assert model.estimates(0.1, 4, own=first).full_s(4) == pytest.approx(0.025)
+    model.release_model(first)
     assert model.estimates(now_s=0.1, batch_size=4).full_s(4) == pytest.approx(0.025)
 
 
 def test_work_ahead_is_shared_by_the_sessions():
     model = CompletionModel(sessions=2)
     model.full_runs.observe(4, 0.020, now_s=0.0)
-    model.reserve(4, now_s=0.0)
-    model.reserve(4, now_s=0.0)
+    model.reserve(4, 4, now_s=0.0)
+    model.reserve(4, 4, now_s=0.0)
     assert model.estimates(now_s=0.0, batch_size=4).full_s(4) == pytest.approx(0.040)
 
 
@@ -102,5 +102,33 @@ def test_warm_up_runs_stand_in_until_something_is_measured():
 def test_a_reservation_counts_the_warm_up_run_time_until_something_is_measured():
     model = CompletionModel(sessions=1)
     model.seed({4: 0.010})
-    assert model.reserve(4, now_s=0.0) == pytest.approx(0.010)
+    assert model.reserve(4, 4, now_s=0.0).model_s == pytest.approx(0.010)
     assert model.estimates(now_s=0.0, batch_size=4).full_s(4) == pytest.approx(0.020)
+
+
+def test_publishes_admitted_ahead_delay_a_batch_when_they_are_the_longer_line():
+    # Under overload most batches carry cheap answers: no model work, but each is a
+    # publish, one after another. Measured on the bare runtime at three times capacity
+    # (batches of 16): OK answers waited up to 85 ms for earlier batches' publishes.
+    model = CompletionModel(sessions=1)
+    model.full_runs.observe(4, 0.010, now_s=0.0)
+    model.rest.observe(4, 0.015, now_s=0.0)  # decode, features and its own publish
+    model.publishes.observe(4, 0.012, now_s=0.0)
+    ahead = [model.reserve(0, 4, now_s=0.1) for _ in range(5)]  # five batches, no model work
+    behind = model.estimates(now_s=0.1, batch_size=4)
+    assert behind.full_s(4) == pytest.approx(5 * 0.012 + 0.015)  # 60 ms of publishes ahead
+    assert behind.fallback_s == pytest.approx(5 * 0.012 + 0.015)
+    # Model work ahead and publishes ahead overlap: the longer line counts, not both.
+    model.reserve(4, 4, now_s=0.1)
+    own = model.reserve(4, 4, now_s=0.1)
+    assert model.estimates(0.1, 4, own=own).full_s(4) == pytest.approx(6 * 0.012 + 0.015)
+    for reservation in ahead:
+        model.release_publish(reservation)
+    assert model.estimates(0.1, 4, own=own).full_s(4) == pytest.approx(0.010 + 0.010 + 0.015)
+
+
+def test_publishes_that_overlap_are_not_counted_as_a_line():
+    model = CompletionModel(sessions=1)
+    model.publishes.observe(4, 0.050, now_s=0.0)
+    model.reserve(0, 4, now_s=0.1, publish=False)  # transactions: handed over while one commits
+    assert model.estimates(now_s=0.1, batch_size=4).full_s(4) == 0.0
