@@ -350,8 +350,16 @@ class CompletionModel:
     for a while (`window_s`): a quiet spell must not leave the next burst unestimated.
     """
 
-    def __init__(self, sessions: int, window_s: float = 30.0, quantile: float = 0.95) -> None:
+    def __init__(
+        self,
+        sessions: int,
+        window_s: float = 30.0,
+        quantile: float = 0.95,
+        publishes_overlap: bool = False,
+    ) -> None:
         self._sessions = max(sessions, 1)
+        # Publishes handed over while one commits (exactly-once) overlap: not a line.
+        self._publishes_in_line = not publishes_overlap
         self.full_runs = SizedTimes(window_s, quantile)
         """Seconds of one full-model run, by batch size."""
         self.fallback_runs = RecentTimes(window_s, quantile)
@@ -400,14 +408,12 @@ class CompletionModel:
         """For the batcher: seconds of the slowest stage of a batch, by its size."""
         return self.slowest_stages.bounds(now_s)
 
-    def reserve(
-        self, full_events: int, batch_size: int, now_s: float, publish: bool = True
-    ) -> Reservation:
-        """Count a batch's full-model work, and its publish unless `publish` is False
-        (publishes that overlap), as ahead of later batches; returns the reservation to
-        `release_model` when its run ends and to `release_publish` when it is written."""
+    def reserve(self, full_events: int, batch_size: int, now_s: float) -> Reservation:
+        """Count a batch's full-model work and its publish as ahead of later batches;
+        returns the reservation to `release_model` when its run ends and to `published`
+        when it is written."""
         model_s = self._full_run_bounds(now_s)(full_events) if full_events else 0.0
-        publish_s = self.publishes.bounds(now_s)(batch_size) if publish else 0.0
+        publish_s = self.publishes.bounds(now_s)(batch_size) if self._publishes_in_line else 0.0
         self._ahead_s += model_s
         self._publishing_ahead_s += publish_s
         return Reservation(model_s, publish_s)
@@ -421,5 +427,10 @@ class CompletionModel:
     def release_model(self, reservation: Reservation) -> None:
         self._ahead_s = max(0.0, self._ahead_s - reservation.model_s)
 
-    def release_publish(self, reservation: Reservation) -> None:
+    def published(
+        self, reservation: Reservation, batch_size: int, seconds: float, now_s: float
+    ) -> None:
+        """A batch is written, its publish having taken `seconds`."""
         self._publishing_ahead_s = max(0.0, self._publishing_ahead_s - reservation.publish_s)
+        if self._publishes_in_line:
+            self.publishes.observe(batch_size, seconds, now_s)

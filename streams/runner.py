@@ -109,7 +109,9 @@ class PipelineRunner:
         spec = pipeline.config
         self._name = spec.name
         # The one service-time estimator: admission and the batcher both ask it.
-        self._completion = CompletionModel(sessions=concurrent_inference)
+        self._completion = CompletionModel(
+            sessions=concurrent_inference, publishes_overlap=publish_ahead > 0
+        )
         self._seed_run_times()
         self.policy = BatchPolicy(
             max_batch_size=spec.max_batch_size,
@@ -336,10 +338,8 @@ class PipelineRunner:
             estimates = self._estimates("admission", now, len(items))
             with prepared.trace.stage("admit"):
                 self.pipeline.route(prepared.admitted, estimates)
-            # Publishes handed over while one commits overlap: not a line to wait in.
-            batch.reservation = self._completion.reserve(
-                prepared.count(Route.FULL), len(items), now, publish=self._committing is None
-            )
+            full_events = prepared.count(Route.FULL)
+            batch.reservation = self._completion.reserve(full_events, len(items), now)
             features = asyncio.create_task(
                 self._retrying(batch.records, "features", self.pipeline.read_features, prepared)
             )
@@ -425,9 +425,7 @@ class PipelineRunner:
         )  # fmt: skip
         self._completion.slowest_stages.observe(size, slowest_s, done)
         self._completion.rest.observe(size, batch.outside_model_s + publish_s, done)
-        self._completion.release_publish(batch.reservation)
-        if self._committing is None:
-            self._completion.publishes.observe(size, publish_s, done)
+        self._completion.published(batch.reservation, size, publish_s, done)
         await self.in_flight.done(size)
 
     def _estimates(

@@ -123,12 +123,12 @@ def test_publishes_admitted_ahead_delay_a_batch_when_they_are_the_longer_line():
     own = model.reserve(4, 4, now_s=0.1)
     assert model.estimates(0.1, 4, own=own).full_s(4) == pytest.approx(6 * 0.012 + 0.015)
     for reservation in ahead:
-        model.release_publish(reservation)
+        model.published(reservation, 4, 0.012, now_s=0.1)
     assert model.estimates(0.1, 4, own=own).full_s(4) == pytest.approx(0.010 + 0.010 + 0.015)
 
 
 def test_publishes_that_overlap_are_not_counted_as_a_line():
-    model = CompletionModel(sessions=1)
-    model.publishes.observe(4, 0.050, now_s=0.0)
-    model.reserve(0, 4, now_s=0.1, publish=False)  # transactions: handed over while one commits
+    model = CompletionModel(sessions=1, publishes_overlap=True)  # transactions: handed over
+    model.publishes.observe(4, 0.050, now_s=0.0)  # while one commits
+    model.reserve(0, 4, now_s=0.1)
     assert model.estimates(now_s=0.1, batch_size=4).full_s(4) == 0.0
