@@ -21,3 +21,7 @@ class FeatureCacheConfig(FrozenModel):
     """Rows kept per feature view (LRU); 0 turns the cache off."""
     max_staleness_s: float = Field(30.0, ge=0, le=86_400)
     """How long a cached row is served before it is read from the store again."""
+    whole_view_max_entities: int = Field(20_000, ge=0, le=10_000_000)
+    """A SQLite view with values for at most this many entities (keyed by one string or
+    integer) is read whole at start and again when the store changes
+    (`features/whole.py`); 0 reads every view per key. Off with the cache."""

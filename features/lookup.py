@@ -31,6 +31,7 @@ from features.cache import FeatureCache
 from features.config import FeatureCacheConfig
 from features.errors import FeatureStoreError, StoreUnavailable
 from features.online_read import OnlineViewReader
+from features.whole import WholeView, WholeViews
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,18 @@ log = logging.getLogger(__name__)
 class _View:
     """One view of the service: its reader, the event fields of its key, its cache."""
 
-    def __init__(self, reader: OnlineViewReader, fields: list[str], cache: FeatureCache) -> None:
+    def __init__(
+        self,
+        reader: OnlineViewReader,
+        fields: list[str],
+        cache: FeatureCache,
+        whole: WholeView | None = None,
+    ) -> None:
         self.reader = reader
         self.name = reader.view.name
         self.fields = fields
         self.cache = cache
+        self.whole = whole
         self.columns = [f"{self.name}__{feature}" for feature in reader.features]
         # Bound once: label lookups on the hot path cost more than the increments.
         self.hits = metrics.CACHE_HITS.labels(self.name)
@@ -120,9 +128,17 @@ class FeatureLookup:
             view_cache = FeatureCache(
                 cache.max_entries, cache.max_staleness_s, clock, spread=STALENESS_SPREAD
             )
-            self._views.append(_View(reader, fields, view_cache))
+            whole = None
+            if reader.reads_at_once and min(
+                cache.max_entries, cache.max_staleness_s, cache.whole_view_max_entities
+            ):
+                whole = WholeView(
+                    reader, cache.whole_view_max_entities, cache.max_staleness_s, clock
+                )
+            self._views.append(_View(reader, fields, view_cache, whole))
             self.feature_refs += [f"{projection.name_to_use()}__{name}" for name in names]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="feature-read")
+        self._whole = WholeViews([view.whole for view in self._views if view.whole is not None])
         self.service = feature_service
         self._state = metrics.STORE_STATE.labels(feature_service)
         self._errors = metrics.STORE_FAILURES.labels(feature_service, "error")
@@ -142,7 +158,8 @@ class FeatureLookup:
             raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
         # A probe of a store that was down must read it, even what the cache holds.
         probing = self.breaker.state is BreakerState.PROBING
-        parts = [_ViewRead(view, events, use_cache=not probing) for view in self._views]
+        now_s = self._clock()
+        parts = [_ViewRead(view, events, now_s, use_cache=not probing) for view in self._views]
         reading = [part for part in parts if part.misses]
         if reading:
             fresh = self._read_at_once(reading)
@@ -206,10 +223,13 @@ class FeatureLookup:
 
     def warm(self, timeout_s: float) -> None:
         """Blocking: read each view once on the store thread, outside the cache (its
-        connection, its first queries), within `timeout_s`; a store that fails or is slow
-        is logged, not raised: the breaker deals with it once events come."""
+        connection, its first queries), and the views small enough to keep whole
+        (`features/whole.py`, kept from here on), within `timeout_s`; a store that fails
+        or is slow is logged, not raised: the breaker deals with it once events come."""
+        deadline = time.monotonic() + timeout_s
         readers = [view.reader for view in self._views]
         warming = self._executor.submit(lambda: [reader.warm() for reader in readers])
+        self._whole.start()
         try:
             warming.result(timeout_s)
         except FeatureStoreError as exc:
@@ -217,10 +237,14 @@ class FeatureLookup:
         except TimeoutError:
             log.warning("feature service %s: warm-up read took over %.1f s; starting anyway",
                         self.service, timeout_s)  # fmt: skip
+        if not self._whole.wait_loaded(max(0.0, deadline - time.monotonic())):
+            log.warning("feature service %s: whole views not read within %.1f s; starting "
+                        "anyway", self.service, timeout_s)  # fmt: skip
 
     def read(self, events: Sequence[Mapping[str, Any]]) -> FeatureRows:
         """Blocking: features of `events`, one store read per view for the cache misses."""
-        parts = [_ViewRead(view, events) for view in self._views]
+        now_s = self._clock()
+        parts = [_ViewRead(view, events, now_s) for view in self._views]
         for part in parts:
             if part.misses:
                 part.fill(part.read_misses())
@@ -244,17 +268,19 @@ class FeatureLookup:
         )
 
     def close(self) -> None:
+        self._whole.stop()
         self._executor.shutdown(wait=True)
 
 
 class _ViewRead:
-    """One view's share of a batch: its distinct keys, their rows from the cache, and
-    the misses to read from the store. Built and filled on the thread that owns the
-    cache (the event loop); only `read_misses` may run on the store thread."""
+    """One view's share of a batch: its distinct keys, their rows from the whole view or
+    the cache, and the misses to read from the store. Built and filled on the thread
+    that owns the cache (the event loop); only `read_misses` may run on the store thread."""
 
     def __init__(
-        self, view: _View, events: Sequence[Mapping[str, Any]], use_cache: bool = True
-    ) -> None:
+        self, view: _View, events: Sequence[Mapping[str, Any]], now_s: float,
+        use_cache: bool = True,
+    ) -> None:  # fmt: skip
         self.view = view
         slot_of: dict[tuple, int] = {}
         self.slots = [slot_of.setdefault(view.key_of(event), len(slot_of)) for event in events]
@@ -263,12 +289,25 @@ class _ViewRead:
         self.stamps = np.empty(len(self.keys))
         self.misses: list[int] = []
         stalest_s = 0.0
+        whole = view.whole.current(now_s) if use_cache and view.whole is not None else None
+        kept: dict[tuple, int] = whole[0].index if whole is not None else {}
+        slots, rows = [], []
         for index, key in enumerate(self.keys):
+            row = kept.get(key)
+            if row is not None:
+                slots.append(index)
+                rows.append(row)
+                continue
             cached = view.cache.get(key) if use_cache else None
             if cached is None:
                 self.misses.append(index)
                 continue
             self.values[index], self.stamps[index], staleness_s = cached
+            stalest_s = max(stalest_s, staleness_s)
+        if rows:
+            whole_rows, staleness_s = whole
+            self.values[slots] = whole_rows.rows.values[rows]
+            self.stamps[slots] = whole_rows.rows.event_ts_s[rows]
             stalest_s = max(stalest_s, staleness_s)
         view.hits.inc(len(self.keys) - len(self.misses))
         if self.misses:

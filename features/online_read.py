@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sqlite3
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -59,6 +59,17 @@ class ViewRows:
     """Feature event timestamp per key (epoch seconds); NaN where the entity has no row."""
 
 
+@dataclass(frozen=True)
+class WholeRows:
+    """Every entity of a view with a value, as read at one version of the store."""
+
+    version: int
+    """The store's `data_version` read just before the rows."""
+    index: dict[tuple, int]
+    """Entity key (join-key values) to its row."""
+    rows: ViewRows
+
+
 class OnlineViewReader:
     """Reads the features of one feature view for entity keys, in one store call."""
 
@@ -77,9 +88,10 @@ class OnlineViewReader:
         self._sqlite = _SqliteTable(store, self.view, self.features) if _is_sqlite(store) else None
         self._key_version = store.config.entity_key_serialization_version
         self._key_blobs: dict[tuple, bytes] = {}
-        self._blob_of = _direct_key_serializer(
+        codec = _direct_key_codec(
             self.join_keys, self._value_types, self._key_version, self._entity_keys
         )
+        self._blob_of, self._key_of = codec if codec is not None else (None, None)
 
     @property
     def reads_at_once(self) -> bool:
@@ -120,6 +132,38 @@ class OnlineViewReader:
             if not np.isnan(values[row]).all():
                 stamps[row] = _epoch_s(event_ts)
         return ViewRows(values, stamps)
+
+    def read_whole(self, max_entities: int) -> WholeRows | None:
+        """Blocking: every entity's row of the view, if it can be kept whole: a SQLite
+        store, a key that reads back from its stored form (one string or integer join
+        key), at most `max_entities` entities with a value. None otherwise; call from one
+        thread only. FeatureStoreError when the store cannot be read."""
+        if self._sqlite is None or self._key_of is None:
+            return None
+        try:
+            whole = self._sqlite.read_whole(max_entities)
+        except Exception as exc:  # sqlite3's errors, a file gone
+            raise FeatureStoreError(f"whole read of view {self.view.name!r} failed: {exc}") from exc
+        if whole is None:
+            return None
+        version, blobs, rows = whole
+        key_of = self._key_of
+        keys = [key_of(blob) for blob in blobs]
+        known = [index for index, key in enumerate(keys) if key is not None]
+        if len(known) < len(keys):  # another writer's form: those keys are read as misses
+            keys = [keys[index] for index in known]
+            rows = ViewRows(rows.values[known], rows.event_ts_s[known])
+        return WholeRows(version, dict(zip(keys, range(len(keys)), strict=True)), rows)
+
+    def store_version(self) -> int:
+        """The store's version as the whole read's connection sees it (see `read_whole`):
+        it changes when another connection commits. FeatureStoreError when unreadable."""
+        if self._sqlite is None:
+            raise FeatureStoreError(f"view {self.view.name!r} is not in a SQLite store")
+        try:
+            return self._sqlite.version()
+        except Exception as exc:
+            raise FeatureStoreError(f"version of view {self.view.name!r}: {exc}") from exc
 
     def warm(self) -> None:
         """Blocking: one read of a placeholder key, so the first batch does not pay for
@@ -170,17 +214,18 @@ class OnlineViewReader:
         ]
 
 
-def _direct_key_serializer(
+def _direct_key_codec(
     join_keys: list[str],
     value_types: list[ValueType],
     version: int,
     entity_keys: Callable[[Sequence[tuple]], list[EntityKeyProto]],
-) -> Callable[[Any], bytes] | None:
+) -> tuple[Callable[[Any], bytes], Callable[[bytes], tuple | None]] | None:
     """Feast's serialized form of a one-column string or integer key, made without its
-    protos: a constant prefix (the join key) and the value's bytes. Feast's conversion
-    and serializer took 20 µs a key; every new key of a light load pays it. Checked
-    against Feast's own serializer once, here: None (Feast's way) where they differ, or
-    for any other key. Raises TypeError for a value of another type."""
+    protos: a constant prefix (the join key) and the value's bytes; and the key read
+    back from that form. Feast's conversion and serializer took 20 µs a key; every new
+    key of a light load pays it. Checked against Feast's own serializer once, here: None
+    (Feast's way) where they differ, or for any other key. The first raises TypeError for
+    a value of another type; the second answers None for a form it does not know."""
     if len(join_keys) != 1 or value_types[0] not in (ValueType.STRING, ValueType.INT64):
         return None
     prefix = serialize_entity_key_prefix(join_keys, version)
@@ -193,6 +238,13 @@ def _direct_key_serializer(
             encoded = value.encode()
             return head + struct.pack("<I", len(encoded)) + encoded
 
+        def key_of(blob: bytes) -> tuple | None:
+            start = len(head) + 4
+            if not blob.startswith(head) or len(blob) < start:
+                return None
+            (size,) = struct.unpack_from("<I", blob, len(head))
+            return (blob[start:].decode(),) if len(blob) == start + size else None
+
         sample: Any = "headrace-key-check"
     else:
         head = prefix + struct.pack("<II", StoredType.INT64, 8)
@@ -202,10 +254,17 @@ def _direct_key_serializer(
                 raise TypeError(value)
             return head + struct.pack("<q", value)
 
+        def key_of(blob: bytes) -> tuple | None:
+            if not blob.startswith(head) or len(blob) != len(head) + 8:
+                return None
+            return struct.unpack_from("<q", blob, len(head))
+
         sample = -12345
     (proto,) = entity_keys([(sample,)])
     feasts = serialize_entity_key(proto, entity_key_serialization_version=version)
-    return blob_of if blob_of(sample) == feasts else None
+    if blob_of(sample) != feasts or key_of(feasts) != (sample,):
+        return None
+    return blob_of, key_of
 
 
 def _epoch_s(stamp: datetime | None) -> float:
@@ -227,26 +286,60 @@ class _SqliteTable:
         self._path = Path(SqliteOnlineStore._get_db_path(config))
         versioned = config.registry.enable_online_feature_view_versioning
         table = compute_table_id(config.project, view, versioned).replace('"', '""')
-        self._select = (
-            f'SELECT entity_key, feature_name, value, event_ts FROM "{table}" WHERE entity_key IN '
-        )
+        self._table = table
+        self._select = f'SELECT entity_key, feature_name, value, event_ts FROM "{table}"'
         self._columns = {name: column for column, name in enumerate(features)}
-        self._connections: dict[bool, sqlite3.Connection] = {}
+        self._connections: dict[bool | str, sqlite3.Connection] = {}
 
     def read(self, blobs: Sequence[bytes], wait: bool = True) -> ViewRows:
         """The rows of `blobs` (serialized entity keys); `wait`: for a writer's lock."""
         width = len(self._columns)
         if not blobs:
             return ViewRows(np.empty((0, width)), np.empty(0))
+        unique = list(dict.fromkeys(blobs))
+        placeholders = "(" + ",".join("?" * len(unique)) + ")"
+        found, stored_ts = self._gather(
+            self._connect(wait).execute(self._select + " WHERE entity_key IN " + placeholders,
+                                        unique)
+        )  # fmt: skip
+        # An entity whose requested values are all null reads as absent, as on Redis.
+        absent, nan = [float("nan")] * width, float("nan")
+        values = np.array([found.get(blob, absent) for blob in blobs], dtype=np.float64)
+        stamps = np.array(
+            [_stored_epoch_s(stored_ts[blob]) if blob in found else nan for blob in blobs]
+        )
+        return ViewRows(values, stamps)
+
+    def read_whole(self, max_entities: int) -> tuple[int, list[bytes], ViewRows] | None:
+        """Every entity of the table with a value: the store's `data_version` before the
+        read (see `version`), their serialized keys and rows; None when the table holds
+        more than `max_entities` entities. On its own connection: call from one thread."""
+        connection = self._connect("whole")
+        version = self.version()
+        count = f'SELECT COUNT(DISTINCT entity_key) FROM "{self._table}"'
+        (entities,) = connection.execute(count).fetchone()
+        if entities > max_entities:
+            return None
+        found, stored_ts = self._gather(connection.execute(self._select))
+        blobs = list(found)
+        values = np.array([found[blob] for blob in blobs], dtype=np.float64).reshape(
+            len(blobs), len(self._columns)
+        )
+        stamps = np.array([_stored_epoch_s(stored_ts[blob]) for blob in blobs])
+        return version, blobs, ViewRows(values, stamps)
+
+    def version(self) -> int:
+        """SQLite's `data_version` of the store file on the whole read's connection: it
+        changes when any other connection (a materialization, a push) commits."""
+        return self._connect("whole").execute("PRAGMA data_version").fetchone()[0]
+
+    def _gather(self, rows: Iterable) -> tuple[dict[bytes, list[float]], dict[bytes, Any]]:
+        """Per entity key, its requested values (NaN where null) and its event time."""
         # Plain lists until the end: per-element numpy writes cost more than the SQL.
         found: dict[bytes, list[float]] = {}
         stored_ts: dict[bytes, Any] = {}
-        columns, nan = self._columns, float("nan")
-        unique = list(dict.fromkeys(blobs))
-        placeholders = "(" + ",".join("?" * len(unique)) + ")"
-        for blob, name, stored, event_ts in self._connect(wait).execute(
-            self._select + placeholders, unique
-        ):
+        columns, width, nan = self._columns, len(self._columns), float("nan")
+        for blob, name, stored, event_ts in rows:
             stored_ts[blob] = event_ts  # the last row's, as Feast's read
             column = columns.get(name)
             if column is None:
@@ -258,24 +351,19 @@ class _SqliteTable:
                 if row is None:
                     row = found[blob] = [nan] * width
                 row[column] = float(getattr(value, kind))
-        # An entity whose requested values are all null reads as absent, as on Redis.
-        absent = [nan] * width
-        values = np.array([found.get(blob, absent) for blob in blobs], dtype=np.float64)
-        stamps = np.array(
-            [_stored_epoch_s(stored_ts[blob]) if blob in found else nan for blob in blobs]
-        )
-        return ViewRows(values, stamps)
+        return found, stored_ts
 
-    def _connect(self, wait: bool) -> sqlite3.Connection:
+    def _connect(self, wait: bool | str) -> sqlite3.Connection:
         # Read-only, no type converters. One connection waits for a writer's lock
         # (sqlite3's default 5 s: the caller's time bound decides), used from one store
-        # thread at a time; the other gives up on a lock at once, for reads on the event
-        # loop. Opened on first read: the file may be materialized after the worker starts.
+        # thread at a time; one gives up on a lock at once, for reads on the event loop;
+        # one ("whole") is the whole view's, in its own thread. Opened on first read: the
+        # file may be materialized after the worker starts.
         connections = self._connections
         if wait not in connections:
             uri = self._path.resolve().as_uri() + "?mode=ro"
             connections[wait] = sqlite3.connect(
-                uri, uri=True, check_same_thread=False, timeout=5.0 if wait else 0.0
+                uri, uri=True, check_same_thread=False, timeout=0.0 if wait is False else 5.0
             )
         return connections[wait]
 

@@ -174,9 +174,9 @@ def test_a_warm_up_reads_the_store_and_leaves_the_cache_to_events(store, caplog)
         readers = [view.reader for view in client._views]
         assert all(not reader._sqlite._connections for reader in readers)
         client.warm(timeout_s=10.0)
-        # Each view's store connections (the store thread's, the event loop's) are open
-        # and their first queries made, off the cache.
-        assert all(set(reader._sqlite._connections) == {True, False} for reader in readers)
+        # Each view's store connections (the store thread's, the event loop's, the whole
+        # view's) are open and their first queries made, off the cache.
+        assert all(set(reader._sqlite._connections) == {True, False, "whole"} for reader in readers)
         assert all(len(view.cache) == 0 for view in client._views)
         assert not caplog.records
     finally:

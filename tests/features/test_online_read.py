@@ -14,7 +14,7 @@ from feast.value_type import ValueType
 
 from features.config import FeatureCacheConfig
 from features.lookup import FeatureLookup
-from features.online_read import OnlineViewReader, _direct_key_serializer
+from features.online_read import OnlineViewReader, _direct_key_codec
 from features.store import open_store
 
 ENTITY_FIELDS = {"user_id": "user_id", "merchant_id": "merchant_id"}
@@ -140,16 +140,22 @@ def test_the_sqlite_store_read_with_sql_equals_the_providers_read(sample_assets)
     ("value_type", "values"),
     [(ValueType.STRING, ["u0000001", "ü-ß", ""]), (ValueType.INT64, [0, -1, 2**40])],
 )
-def test_keys_are_serialized_as_feast_serializes_them(value_type, values):
+def test_keys_are_serialized_as_feast_serializes_them_and_read_back(value_type, values):
     def entity_keys(keys):
         values = python_values_to_proto_values([key[0] for key in keys], value_type)
         return [EntityKeyProto(join_keys=["k"], entity_values=[value]) for value in values]
 
-    blob_of = _direct_key_serializer(["k"], [value_type], 3, entity_keys)
-    assert blob_of is not None
+    codec = _direct_key_codec(["k"], [value_type], 3, entity_keys)
+    assert codec is not None
+    blob_of, key_of = codec
     for value, proto in zip(values, entity_keys([(v,) for v in values]), strict=True):
-        assert blob_of(value) == serialize_entity_key(proto, entity_key_serialization_version=3)
-    assert _direct_key_serializer(["a", "b"], [value_type] * 2, 3, entity_keys) is None
+        feasts = serialize_entity_key(proto, entity_key_serialization_version=3)
+        assert blob_of(value) == feasts
+        assert key_of(feasts) == (value,)
+    other = EntityKeyProto(join_keys=["other"], entity_values=entity_keys([(values[0],)])[0]
+                           .entity_values)  # fmt: skip
+    assert key_of(serialize_entity_key(other, entity_key_serialization_version=3)) is None
+    assert _direct_key_codec(["a", "b"], [value_type] * 2, 3, entity_keys) is None
 
 
 def test_a_key_of_another_python_type_is_serialized_by_feast(sample_assets):

@@ -1,0 +1,153 @@
+"""Views small enough to keep whole: read at warm-up, served without store reads, read
+again when the store changes, never served past the staleness bound."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+import time
+from datetime import UTC, datetime
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from features.config import FeatureCacheConfig
+from features.errors import FeatureStoreError
+from features.lookup import FeatureLookup
+from features.online_read import ViewRows, WholeRows
+from features.store import open_store
+from features.whole import WholeView
+
+ENTITY_FIELDS = {"user_id": "user_id", "merchant_id": "merchant_id"}
+EVENTS = [{"user_id": f"u{i:07d}", "merchant_id": f"m{i % 7:06d}"} for i in range(40)]
+
+
+@pytest.fixture
+def repo(tmp_path, sample_assets):
+    """A copy of the sample repo, so that writes stay in this test."""
+    copy = tmp_path / "repo"
+    shutil.copytree(sample_assets.repo, copy)
+    return copy
+
+
+def warmed(repo, **cache) -> FeatureLookup:
+    lookup = FeatureLookup(
+        open_store(repo), "fraud_scoring", ENTITY_FIELDS, FeatureCacheConfig(**cache)
+    )
+    lookup.warm(timeout_s=30.0)
+    return lookup
+
+
+async def test_a_small_view_is_served_whole_without_store_reads(repo):
+    lookup = warmed(repo)
+    uncached = FeatureLookup(
+        open_store(repo), "fraud_scoring", ENTITY_FIELDS, FeatureCacheConfig(max_entries=0)
+    )
+    try:
+        rows = await lookup.fetch(EVENTS)
+        assert rows.store_reads == 0
+        expected = uncached.read(EVENTS)
+        for ref in lookup.feature_refs:
+            np.testing.assert_array_equal(rows.columns[ref], expected.columns[ref])
+        # An entity the view does not hold is read from the store, and is missing.
+        nobody = await lookup.fetch([{"user_id": "nobody", "merchant_id": "m000001"}])
+        assert nobody.store_reads == 1
+        assert nobody.missing_views == [("user_stats",)]
+    finally:
+        lookup.close()
+        uncached.close()
+
+
+async def test_a_write_to_the_store_is_served_within_the_staleness_bound(repo):
+    lookup = warmed(repo, max_staleness_s=2.0)
+    event = {"user_id": "u0000001", "merchant_id": "m000001"}
+    try:
+        before = (await lookup.fetch([event])).columns["user_stats__txn_count_7d"][0]
+        open_store(repo).write_to_online_store(
+            "user_stats",
+            pd.DataFrame(
+                {
+                    "user_id": ["u0000001"],
+                    "txn_count_7d": [int(before) + 1000],
+                    "avg_amount_7d": [1.0],
+                    "chargeback_rate_90d": [0.0],
+                    "account_age_days": [1],
+                    "event_timestamp": [datetime.now(UTC)],
+                }
+            ),
+        )
+        written = time.monotonic()
+        while True:
+            rows = await lookup.fetch([event])
+            if rows.columns["user_stats__txn_count_7d"][0] == before + 1000:
+                break
+            assert time.monotonic() - written < 10.0, "the write was never served"
+            await asyncio.sleep(0.05)  # polling the condition, not synchronising on time
+        assert rows.store_reads == 0  # served whole again, read after the write
+    finally:
+        lookup.close()
+
+
+async def test_a_view_with_more_entities_than_the_bound_is_read_per_key(repo):
+    lookup = warmed(repo, whole_view_max_entities=100)  # 10,000 users, 1,000 merchants
+    try:
+        rows = await lookup.fetch(EVENTS)
+        assert rows.store_reads == 40 + 7
+    finally:
+        lookup.close()
+
+
+class _Reader:
+    """A store of one entity whose version the test moves, or whose check fails."""
+
+    def __init__(self) -> None:
+        self.version = 1
+        self.fails = False
+        self.reads = 0
+        self.view = type("View", (), {"name": "v"})
+
+    def store_version(self) -> int:
+        if self.fails:
+            raise FeatureStoreError("gone")
+        return self.version
+
+    def read_whole(self, max_entities: int) -> WholeRows | None:
+        self.reads += 1
+        rows = ViewRows(np.array([[float(self.version)]]), np.array([0.0]))
+        return WholeRows(self.version, {("k",): 0}, rows)
+
+
+def test_rows_not_verified_within_the_bound_are_not_served_and_changes_are_read_when_due():
+    now = [100.0]
+    reader = _Reader()
+    whole = WholeView(reader, max_entities=10, max_staleness_s=10.0, clock=lambda: now[0])
+    assert whole.current(now[0]) is None  # nothing read yet
+    whole.refresh()
+    assert reader.reads == 1
+    now[0] = 108.0
+    whole.refresh()  # unchanged: verified now, not read again
+    assert reader.reads == 1
+    now[0] = 117.0
+    rows, staleness_s = whole.current(now[0])
+    assert staleness_s == pytest.approx(9.0)
+    reader.fails = True
+    whole.refresh()  # the check fails: the rows age out
+    now[0] = 118.5
+    assert whole.current(now[0]) is None
+    reader.fails = False
+    reader.version = 2
+    whole.refresh()  # changed, and due (over half the bound since the read)
+    assert reader.reads == 2
+    rows, _ = whole.current(now[0])
+    assert rows.rows.values[0, 0] == 2.0
+    reader.version = 3
+    now[0] = 120.0
+    whole.refresh()  # changed again soon after a read: waits until due ...
+    assert reader.reads == 2
+    assert whole.current(now[0])[0].version == 2  # ... serving what was read
+    now[0] = 123.5
+    whole.refresh()
+    assert reader.reads == 3
+    assert not math.isnan(whole.current(now[0])[1])
