@@ -150,18 +150,21 @@ class FeatureLookup:
         self, events: Sequence[Mapping[str, Any]], timeout_s: float | None = None
     ) -> FeatureRows:
         """Features of `events`; raises StoreUnavailable when the store read they need
-        fails, is too slow (`timeout_s`), or the store is known down.
+        fails, is too slow (`timeout_s`), or the store is known down. A batch whose rows
+        are all in memory (a whole view, the cache) needs no read: it is answered while
+        the store is down too, within `max_staleness_s` as ever.
 
         The cache is probed here, on the event loop: only the misses go to the store
         thread, so a batch the cache answers costs no thread hand-off."""
-        if not self.breaker.allow():
-            raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
+        allowed = self.breaker.allow()
         # A probe of a store that was down must read it, even what the cache holds.
         probing = self.breaker.state is BreakerState.PROBING
         now_s = self._clock()
         parts = [_ViewRead(view, events, now_s, use_cache=not probing) for view in self._views]
         reading = [part for part in parts if part.misses]
         if reading:
+            if not allowed:
+                raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
             fresh = self._read_at_once(reading)
             if fresh is None:
                 fresh = await self._read_store(reading, timeout_s)

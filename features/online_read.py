@@ -357,13 +357,15 @@ class _SqliteTable:
         # Read-only, no type converters. One connection waits for a writer's lock
         # (sqlite3's default 5 s: the caller's time bound decides), used from one store
         # thread at a time; one gives up on a lock at once, for reads on the event loop;
-        # one ("whole") is the whole view's, in its own thread. Opened on first read: the
-        # file may be materialized after the worker starts.
+        # one ("whole") is the whole view's, in its own thread, which checks again a
+        # second later. Opened on first read: the file may be materialized after the
+        # worker starts.
         connections = self._connections
         if wait not in connections:
             uri = self._path.resolve().as_uri() + "?mode=ro"
+            timeout_s = {False: 0.0, "whole": 1.0}.get(wait, 5.0)
             connections[wait] = sqlite3.connect(
-                uri, uri=True, check_same_thread=False, timeout=0.0 if wait is False else 5.0
+                uri, uri=True, check_same_thread=False, timeout=timeout_s
             )
         return connections[wait]
 

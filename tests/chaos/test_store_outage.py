@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -87,10 +88,44 @@ def check_outage_degrades(deployment, kafka, world, outage) -> None:
 
 
 def test_a_locked_sqlite_store_degrades_then_recovers(deploy, kafka, sample_assets):
-    deployment = deploy(latency_budget_ms=BUDGET_MS)
+    # Views read per key (kept whole, they would answer from memory: the next test).
+    deployment = deploy(latency_budget_ms=BUDGET_MS,
+                        feature_cache={"whole_view_max_entities": 0})  # fmt: skip
     check_outage_degrades(
         deployment, kafka, sample_assets.world, lambda: sqlite_locked(sample_assets.repo)
     )
+
+
+def test_views_kept_whole_answer_in_full_through_a_short_store_outage(deploy, kafka, sample_assets):
+    """Within `max_staleness_s` of their last check, rows kept whole need no store: only
+    the events of entities the store does not hold (2% of the sample's) need a read,
+    and those degrade."""
+    deployment = deploy(latency_budget_ms=BUDGET_MS)
+    spec = deployment.spec
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker() as worker:
+            produce_events(kafka.bootstrap_servers, spec.input_topic, sample_assets.world, 5,
+                           seed=31, prefix="warm-")  # fmt: skip
+            assert wait_until(lambda: len(answers_of(collector, "warm-")) == 5, 120), (
+                deployment.log_tail()
+            )
+            with sqlite_locked(sample_assets.repo):
+                during = produce_events(
+                    kafka.bootstrap_servers, spec.input_topic, sample_assets.world, 100,
+                    seed=32, prefix="during-",
+                )  # fmt: skip
+                assert wait_until(lambda: len(answers_of(collector, "during-")) == 100, 60), (
+                    deployment.log_tail()
+                )
+            answers = answers_of(collector, "during-")
+            assert worker.poll() is None
+    finally:
+        collector.stop()
+    statuses = Counter(a["status"] for a in answers)
+    assert set(statuses) <= {"OK", "DEGRADED"}
+    assert statuses["OK"] >= 90, statuses
+    assert sorted(a["event_id"] for a in answers) == sorted(during)
 
 
 def test_a_stopped_redis_degrades_then_recovers(deploy, kafka, tmp_path):

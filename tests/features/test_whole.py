@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+import sqlite3
 import time
 from datetime import UTC, datetime
 
@@ -13,8 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from features.breaker import BreakerState, StoreBreaker
 from features.config import FeatureCacheConfig
-from features.errors import FeatureStoreError
+from features.errors import FeatureStoreError, StoreUnavailable
 from features.lookup import FeatureLookup
 from features.online_read import ViewRows, WholeRows
 from features.store import open_store
@@ -151,3 +153,25 @@ def test_rows_not_verified_within_the_bound_are_not_served_and_changes_are_read_
     whole.refresh()
     assert reader.reads == 3
     assert not math.isnan(whole.current(now[0])[1])
+
+
+async def test_while_the_store_is_down_rows_kept_whole_are_served_and_misses_refused(repo):
+    lookup = warmed(repo)
+    now = [0.0]
+    lookup.breaker = StoreBreaker(1, 60.0, lambda: now[0], lookup._breaker_changed)
+    nobody = [{"user_id": "nobody", "merchant_id": "m000001"}]
+    lock = sqlite3.connect(repo / "data" / "online_store.db", isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(StoreUnavailable, match="took over"):
+            await lookup.fetch(nobody, timeout_s=0.05)
+        assert lookup.breaker.state is BreakerState.OPEN
+        rows = await lookup.fetch(EVENTS, timeout_s=0.05)  # all in memory: no read needed
+        assert rows.store_reads == 0
+        assert rows.missing_views == [()] * len(EVENTS)
+        with pytest.raises(StoreUnavailable, match="down"):  # a miss: not even tried
+            await lookup.fetch(nobody, timeout_s=0.05)
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+        lookup.close()

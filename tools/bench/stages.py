@@ -35,7 +35,7 @@ import click
 from features.sample_data import SampleWorld
 from schemas.catalogue import open_catalogue
 from schemas.codec import AvroEncoder
-from streams.app import input_schema, open_store_for, wire_pipeline
+from streams.app import WARM_UP_TIMEOUT_S, input_schema, open_store_for, wire_pipeline
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig, load_config
 from streams.outgoing import Outgoing
@@ -85,6 +85,8 @@ def measure(
         wired = wire_pipeline(
             spec, catalogue, open_store_for(config), _AcknowledgingPublisher(), resources
         )
+        if wired.lookup is not None:
+            wired.lookup.warm(WARM_UP_TIMEOUT_S)  # as a worker: its views kept whole
         encoder = AvroEncoder(catalogue, input_schema(spec, catalogue), f"{spec.input_topic}-value")
         events = events_for(spec, SampleWorld(), seed=7)
         values = [encoder.encode(event) for event in itertools.islice(events, DISTINCT_EVENTS)]
