@@ -1,5 +1,7 @@
 """Errors of the feature stage."""
 
+from typing import Any
+
 from schemas.errors import HeadraceError
 
 
@@ -9,4 +11,9 @@ class FeatureStoreError(HeadraceError):
 
 class StoreUnavailable(FeatureStoreError):
     """A batch's read failed, took too long, or was refused while the store is down
-    (the circuit breaker is open): its events answer without the store."""
+    (the circuit breaker is open): its events answer without the store, except those
+    whose rows were all in memory (`in_memory`, when the lookup had any)."""
+
+    in_memory: Any = None
+    """`features.lookup.InMemory`: the batch's rows from memory, and which events they
+    answer in full."""

@@ -48,6 +48,16 @@ class FeatureRows:
     """Of those, how many were read from the store (cache misses)."""
 
 
+@dataclass(frozen=True)
+class InMemory:
+    """A batch's features without the store read it needed (`StoreUnavailable`)."""
+
+    rows: FeatureRows
+    """Rows from the whole views and the cache; NaN where the read was needed."""
+    answered: list[bool]
+    """Per event, whether every one of its rows was in memory."""
+
+
 # Rows read together (a cold cache fills in seconds) would all expire together and
 # make a burst of store reads every `max_staleness_s` (a p99 spike seen in the
 # benchmark 30 s after start): each row counts as read up to a fifth earlier.
@@ -163,14 +173,32 @@ class FeatureLookup:
         parts = [_ViewRead(view, events, now_s, use_cache=not probing) for view in self._views]
         reading = [part for part in parts if part.misses]
         if reading:
-            if not allowed:
-                raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
-            fresh = self._read_at_once(reading)
-            if fresh is None:
-                fresh = await self._read_store(reading, timeout_s)
+            try:
+                if not allowed:
+                    raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
+                fresh = self._read_at_once(reading)
+                if fresh is None:
+                    fresh = await self._read_store(reading, timeout_s)
+            except StoreUnavailable as exc:
+                exc.in_memory = self._in_memory(parts, len(events))
+                raise
             for part, rows in zip(reading, fresh, strict=True):
                 part.fill(rows)
         return self._rows(parts, len(events))
+
+    def _in_memory(self, parts: list[_ViewRead], count: int) -> InMemory:
+        """What the batch has without its read: the misses blank (NaN, not cached), and
+        the events none of whose rows was a miss."""
+        answered = [True] * count
+        for part in parts:
+            if part.misses:
+                missed = set(part.misses)
+                for event, slot in enumerate(part.slots):
+                    if slot in missed:
+                        answered[event] = False
+                part.values[part.misses] = np.nan
+                part.stamps[part.misses] = np.nan
+        return InMemory(self._rows(parts, count), answered)
 
     def _read_at_once(self, parts: list[_ViewRead]) -> list | None:
         """The misses read here, on the event loop, where the store thread's hand-off
@@ -294,12 +322,17 @@ class _ViewRead:
         stalest_s = 0.0
         whole = view.whole.current(now_s) if use_cache and view.whole is not None else None
         kept: dict[tuple, int] = whole[0].index if whole is not None else {}
-        slots, rows = [], []
+        # A whole view that holds every stored entity answers for the absent ones too.
+        complete = whole is not None and whole[0].complete
+        slots, rows, absent = [], [], []
         for index, key in enumerate(self.keys):
             row = kept.get(key)
             if row is not None:
                 slots.append(index)
                 rows.append(row)
+                continue
+            if complete:
+                absent.append(index)
                 continue
             cached = view.cache.get(key) if use_cache else None
             if cached is None:
@@ -307,10 +340,12 @@ class _ViewRead:
                 continue
             self.values[index], self.stamps[index], staleness_s = cached
             stalest_s = max(stalest_s, staleness_s)
-        if rows:
+        if rows or absent:
             whole_rows, staleness_s = whole
             self.values[slots] = whole_rows.rows.values[rows]
             self.stamps[slots] = whole_rows.rows.event_ts_s[rows]
+            self.values[absent] = np.nan
+            self.stamps[absent] = np.nan
             stalest_s = max(stalest_s, staleness_s)
         view.hits.inc(len(self.keys) - len(self.misses))
         if self.misses:

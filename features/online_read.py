@@ -68,6 +68,9 @@ class WholeRows:
     index: dict[tuple, int]
     """Entity key (join-key values) to its row."""
     rows: ViewRows
+    complete: bool = True
+    """Whether `index` holds every entity stored with a value: then a key it lacks is
+    absent from the store (as the store would answer, no read needed)."""
 
 
 class OnlineViewReader:
@@ -150,10 +153,12 @@ class OnlineViewReader:
         key_of = self._key_of
         keys = [key_of(blob) for blob in blobs]
         known = [index for index, key in enumerate(keys) if key is not None]
-        if len(known) < len(keys):  # another writer's form: those keys are read as misses
+        complete = len(known) == len(keys)
+        if not complete:  # another writer's form: keys not kept are read per key
             keys = [keys[index] for index in known]
             rows = ViewRows(rows.values[known], rows.event_ts_s[known])
-        return WholeRows(version, dict(zip(keys, range(len(keys)), strict=True)), rows)
+        index = dict(zip(keys, range(len(keys)), strict=True))
+        return WholeRows(version, index, rows, complete)
 
     def store_version(self) -> int:
         """The store's version as the whole read's connection sees it (see `read_whole`):

@@ -14,7 +14,11 @@ Unchanged, the rows count as read at the check; changed, they are read whole aga
 most every `max_staleness_s / 2`. Rows not verified within `max_staleness_s` are not
 served (the store gone, a check failing): events go back to the cache, the store read
 and its breaker. So the cache's promise holds: a served row reflects the store as of at
-most `max_staleness_s` ago. Entities the view does not hold go the cache's way too.
+most `max_staleness_s` ago. The rows hold every entity stored with a value, so an
+entity they lack is absent from the store as of the check too: it reads as missing
+without a read (a stored key whose form cannot be read back turns that off: such keys
+go the cache's way). So while the rows are verified, the view needs no store read at
+all, and a store outage shorter than `max_staleness_s` goes unnoticed by its events.
 """
 
 from __future__ import annotations

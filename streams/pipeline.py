@@ -214,9 +214,16 @@ class Pipeline:
             prepared.rows = await self._lookup.fetch(
                 [item.event for item in needing], self._store_timeout_s
             )
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            # Events whose rows were all in memory are answered as if it had been read.
+            in_memory = exc.in_memory
+            if in_memory is not None and any(in_memory.answered):
+                prepared.rows = in_memory.rows
+            answered = in_memory.answered if in_memory is not None else [False] * len(needing)
             no_fallback = self.fallback is None or self.fallback.needs_store
-            for item in needing:
+            for item, in_full in zip(needing, answered, strict=True):
+                if in_full:
+                    continue
                 decision = self.admission.without_store(item.cached is not None, no_fallback)
                 item.route, item.reason, item.row = decision.route, decision.reason, None
         seconds = time.perf_counter() - started

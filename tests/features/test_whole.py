@@ -53,9 +53,9 @@ async def test_a_small_view_is_served_whole_without_store_reads(repo):
         expected = uncached.read(EVENTS)
         for ref in lookup.feature_refs:
             np.testing.assert_array_equal(rows.columns[ref], expected.columns[ref])
-        # An entity the view does not hold is read from the store, and is missing.
+        # An entity the view does not hold is absent from the store: missing, not read.
         nobody = await lookup.fetch([{"user_id": "nobody", "merchant_id": "m000001"}])
-        assert nobody.store_reads == 1
+        assert nobody.store_reads == 0
         assert nobody.missing_views == [("user_stats",)]
     finally:
         lookup.close()
@@ -155,22 +155,31 @@ def test_rows_not_verified_within_the_bound_are_not_served_and_changes_are_read_
     assert not math.isnan(whole.current(now[0])[1])
 
 
-async def test_while_the_store_is_down_rows_kept_whole_are_served_and_misses_refused(repo):
-    lookup = warmed(repo)
+async def test_while_the_store_is_down_rows_in_memory_are_served_and_misses_refused(repo):
+    # Merchants (1,000) kept whole, users (10,000) read per key and cached.
+    lookup = warmed(repo, whole_view_max_entities=5_000)
     now = [0.0]
     lookup.breaker = StoreBreaker(1, 60.0, lambda: now[0], lookup._breaker_changed)
-    nobody = [{"user_id": "nobody", "merchant_id": "m000001"}]
+    before = await lookup.fetch(EVENTS)  # their users now cached
+    newcomer = [{"user_id": "u0009999", "merchant_id": "m000001"}]
     lock = sqlite3.connect(repo / "data" / "online_store.db", isolation_level=None)
     try:
         lock.execute("BEGIN EXCLUSIVE")
         with pytest.raises(StoreUnavailable, match="took over"):
-            await lookup.fetch(nobody, timeout_s=0.05)
+            await lookup.fetch(newcomer, timeout_s=0.05)
         assert lookup.breaker.state is BreakerState.OPEN
         rows = await lookup.fetch(EVENTS, timeout_s=0.05)  # all in memory: no read needed
         assert rows.store_reads == 0
-        assert rows.missing_views == [()] * len(EVENTS)
-        with pytest.raises(StoreUnavailable, match="down"):  # a miss: not even tried
-            await lookup.fetch(nobody, timeout_s=0.05)
+        for ref in lookup.feature_refs:
+            np.testing.assert_array_equal(rows.columns[ref], before.columns[ref])
+        with pytest.raises(StoreUnavailable, match="down") as refused:  # a miss: not tried
+            await lookup.fetch(EVENTS + newcomer, timeout_s=0.05)
+        # The rows it had in memory come with the refusal: those events can be answered.
+        in_memory = refused.value.in_memory
+        assert in_memory.answered == [True] * len(EVENTS) + [False]
+        for ref in lookup.feature_refs:
+            np.testing.assert_array_equal(in_memory.rows.columns[ref][:-1], rows.columns[ref])
+        assert np.isnan(in_memory.rows.columns["user_stats__txn_count_7d"][-1])
     finally:
         lock.execute("ROLLBACK")
         lock.close()

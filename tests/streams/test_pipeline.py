@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from features.errors import StoreUnavailable
-from features.lookup import FeatureRows
+from features.lookup import FeatureRows, InMemory
 from models.errors import ModelError
 from models.signature import Column, ModelOutput, Signature, TensorInput
 from schemas.catalogue import LocalCatalogue, load_schema
@@ -62,11 +62,17 @@ class FakeLookup:
 
     def __init__(self) -> None:
         self.down = False
+        self.in_memory: list[bool] | None = None
+        """While down, which events the lookup had every row of in memory."""
 
     async def fetch(self, events, timeout_s=None):
+        rows = FeatureRows({STORE[0]: np.ones(len(events))}, [()] * len(events), len(events))
         if self.down:
-            raise StoreUnavailable("the store is down")
-        return FeatureRows({STORE[0]: np.ones(len(events))}, [()] * len(events), len(events))
+            error = StoreUnavailable("the store is down")
+            if self.in_memory is not None:
+                error.in_memory = InMemory(rows, self.in_memory)
+            raise error
+        return rows
 
 
 class FakePublisher:
@@ -234,6 +240,16 @@ def test_a_store_that_cannot_answer_degrades_to_the_models_that_need_no_store():
     parts["store"].down = False
     (again,) = run(built, parts, records([0.010]), FAST)
     assert again["status"] == "OK"
+
+
+def test_while_the_store_is_down_events_with_every_row_in_memory_are_answered_in_full():
+    built, parts = pipeline(default_score=None)
+    parts["store"].down = True
+    parts["store"].in_memory = [True, False, True]
+    first, second, third = run(built, parts, records([0.010, 0.010, 0.010]), FAST)
+    assert first["status"] == third["status"] == "OK"
+    assert first["score"] == pytest.approx(0.9) and parts["full"].rows == 2
+    assert (second["status"], second["reason"]) == ("DEGRADED", "store_unavailable")
 
 
 def test_without_a_fallback_model_a_store_outage_gets_the_default_answer():
