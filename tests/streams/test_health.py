@@ -165,7 +165,9 @@ def test_a_store_outage_makes_a_live_worker_not_ready_until_it_is_back(
     deploy, kafka, sample_assets
 ):
     port = free_port()
-    deployment = deploy(runtime="bare", metrics_port=port, latency_budget_ms=1_000)
+    # Views read per key: kept whole, they would need no store during the outage.
+    deployment = deploy(runtime="bare", metrics_port=port, latency_budget_ms=1_000,
+                        feature_cache={"whole_view_max_entities": 0})  # fmt: skip
     topic = deployment.spec.input_topic
     seeds = iter(range(100, 10_000))
 
