@@ -248,7 +248,12 @@ def _direct_key_codec(
             if not blob.startswith(head) or len(blob) < start:
                 return None
             (size,) = struct.unpack_from("<I", blob, len(head))
-            return (blob[start:].decode(),) if len(blob) == start + size else None
+            if len(blob) != start + size:
+                return None
+            try:
+                return (blob[start:].decode(),)
+            except UnicodeDecodeError:
+                return None
 
         sample: Any = "headrace-key-check"
     else:
