@@ -138,7 +138,10 @@ class WholeViews:
     def _run(self) -> None:
         while True:
             for view in self.views:
-                view.refresh()
+                try:
+                    view.refresh()
+                except Exception:  # a bug: keep checking the others; its rows age out
+                    log.exception("feature view %s: check failed", view.reader.view.name)
             self._loaded.set()
             if self._stopping.wait(self._every_s):
                 return
