@@ -241,9 +241,17 @@ class Pipeline:
         An event moved off the full path after its features were read can still take
         the fallback model: it has every input."""
         serving = prepared.serving
-        runs = [(Route.FULL, serving.model), (Route.FALLBACK, self.fallback)]
+        routes = {item.route for item in prepared.admitted}
+        runs = [
+            self._run(prepared, route, model)
+            for route, model in ((Route.FULL, serving.model), (Route.FALLBACK, self.fallback))
+            if route in routes
+        ]
         with prepared.trace.stage("infer"):
-            await asyncio.gather(*(self._run(prepared, route, model) for route, model in runs))
+            if len(runs) == 1:  # the usual batch: no tasks to run one model
+                await runs[0]
+            elif runs:
+                await asyncio.gather(*runs)
 
     async def _run(self, prepared: Prepared, route: Route, model: Model | None) -> None:
         items = [item for item in prepared.admitted if item.route is route]
