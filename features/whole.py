@@ -136,12 +136,21 @@ class WholeViews:
             self._thread = None
 
     def _run(self) -> None:
+        failing: set[str] = set()  # logged once per run of failures, not every second
         while True:
             for view in self.views:
+                name = view.reader.view.name
                 try:
                     view.refresh()
                 except Exception:  # a bug: keep checking the others; its rows age out
-                    log.exception("feature view %s: check failed", view.reader.view.name)
+                    if name not in failing:
+                        failing.add(name)
+                        log.exception("feature view %s: check failed (logged once until "
+                                      "it succeeds)", name)  # fmt: skip
+                    continue
+                if name in failing:
+                    failing.discard(name)
+                    log.warning("feature view %s: checks succeed again", name)
             self._loaded.set()
             if self._stopping.wait(self._every_s):
                 return

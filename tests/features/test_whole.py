@@ -20,7 +20,8 @@ from features.errors import FeatureStoreError, StoreUnavailable
 from features.lookup import FeatureLookup
 from features.online_read import ViewRows, WholeRows
 from features.store import open_store
-from features.whole import WholeView
+from features.whole import WholeView, WholeViews
+from tests.helpers import wait_until
 
 ENTITY_FIELDS = {"user_id": "user_id", "merchant_id": "merchant_id"}
 EVENTS = [{"user_id": f"u{i:07d}", "merchant_id": f"m{i % 7:06d}"} for i in range(40)]
@@ -153,6 +154,37 @@ def test_rows_not_verified_within_the_bound_are_not_served_and_changes_are_read_
     whole.refresh()
     assert reader.reads == 3
     assert not math.isnan(whole.current(now[0])[1])
+
+
+class _Broken:
+    """A whole view whose check fails with a bug until `mended`; counts its checks."""
+
+    def __init__(self, name: str) -> None:
+        self.reader = type("Reader", (), {"view": type("View", (), {"name": name})})
+        self.max_staleness_s = 0.04  # checked every 10 ms
+        self.checks = 0
+        self.mended = False
+
+    def refresh(self) -> None:
+        self.checks += 1
+        if not self.mended:
+            raise KeyError("a bug")
+
+
+def test_a_view_whose_check_fails_is_logged_once_and_the_others_are_still_checked(caplog):
+    broken, sound = _Broken("broken"), _Broken("sound")
+    sound.mended = True
+    views = WholeViews([broken, sound])
+    views.start()
+    try:
+        assert wait_until(lambda: sound.checks >= 5, 5, 0.01)
+        assert broken.checks >= 5
+        failures = [r for r in caplog.records if "check failed" in r.getMessage()]
+        assert len(failures) == 1 and "broken" in failures[0].getMessage()
+        broken.mended = True
+        assert wait_until(lambda: "checks succeed again" in caplog.text, 5, 0.01)
+    finally:
+        views.stop()
 
 
 async def test_while_the_store_is_down_rows_in_memory_are_served_and_misses_refused(repo):
