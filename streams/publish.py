@@ -88,6 +88,10 @@ QUEUE_ROOM = 50_000
 # Consecutive attempts that fail only because the producer stopped, before giving up
 # to the runner's backoff.
 _MAX_RESTARTS = 3
+# Waits of the delivery thread's poll (see `_poll`): an idle worker wakes 4 times a
+# second, not 20.
+POLL_S = 0.25
+RETIRING_POLL_S = 0.05
 
 # A record batch refused for what it holds: sent alone, the record at fault is found.
 _SIZE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
@@ -383,7 +387,9 @@ class Publisher:
 
     def _poll(self) -> None:
         while not self._stopping.is_set():
-            self._current.poll(0.05)
+            # A poll returns as soon as a delivery report comes: its wait bounds only how
+            # soon a stop, or a retiring producer's reports, are seen.
+            self._current.poll(RETIRING_POLL_S if self._retiring else POLL_S)
             if self._retiring:
                 with self._retiring_lock:
                     retiring = list(self._retiring)
