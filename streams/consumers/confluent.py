@@ -59,7 +59,8 @@ LOST_WAIT_S = DEFAULT_PRODUCER_CONFIG["delivery.timeout.ms"] / 1000 + 5
 # the poll thread stores acknowledged offsets, so it waits briefly while any record is
 # handed over and unacknowledged; with none, only a stop waits on it: an idle worker
 # then wakes 5 times a second instead of 20. (Not longer: confluent-kafka cuts a wait
-# over 200 ms into chunks, and its producer's poll then waits out the whole timeout.)
+# over 200 ms into chunks, a path whose producer poll waits out its whole timeout even
+# after serving a report; both clients stay on the plain path, see `streams/publish.py`.)
 BUSY_POLL_S = 0.05
 IDLE_POLL_S = 0.2
 
