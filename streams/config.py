@@ -66,6 +66,10 @@ class BrokerConfig(_Frozen):
     commit_interval_ms: int = Field(100, ge=10, le=60_000)
     """How often answered offsets are committed: what a crash can make the next worker
     read again (a rebalance or a clean stop commits first and repeats nothing)."""
+    metadata_refresh_ms: int = Field(10_000, ge=1_000, le=300_000)
+    """How often a worker's consumer reads its input topics' metadata again: partitions
+    added to an input topic are served after at most this, plus a rebalance (the
+    clients' default is five minutes, all that time unserved)."""
     replay_lookback_s: float = Field(120.0, ge=0, le=3_600)
     """At each assignment, how far back the outcome topics are read for inputs past the
     committed offsets that a crashed worker already answered (not answered again,

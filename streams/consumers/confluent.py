@@ -96,6 +96,7 @@ class BareConsumer:
                     if config.broker.instance_id
                     else {}
                 ),
+                "topic.metadata.refresh.interval.ms": config.broker.metadata_refresh_ms,
                 # Bound librdkafka's own prefetch buffer too (KiB per partition).
                 "queued.max.messages.kbytes": 8192,
                 "fetch.wait.max.ms": config.broker.fetch_max_wait_ms,

@@ -80,6 +80,7 @@ def _serve(
         broker_session_timeout=config.broker.session_timeout_ms / 1000,
         broker_heartbeat_interval=config.broker.heartbeat_interval_ms / 1000,
         consumer_group_instance_id=config.broker.instance_id,
+        consumer_metadata_max_age_ms=config.broker.metadata_refresh_ms,
         # A fetch is handed to an agent whole: its size bounds how far a chunk can go
         # past the in-flight bound (as the confluent runtime's chunk does).
         broker_max_poll_records=max(p.max_batch_size for p in config.pipelines),
