@@ -38,11 +38,13 @@ from tools.deploy import (
     sample_config,
     start_worker,
     stop_worker,
+    wait_until_ready,
     write_config,
 )
 from tools.loadgen import encoded, events_for, example_of, malformed_records, send_at_rate
 
 WARMUP_S = 5.0
+READY_TIMEOUT_S = 120.0
 WARM_TOPIC = "headrace-demo-warm-up"
 
 
@@ -111,13 +113,15 @@ def run_demo(
             spec.dead_letter_topic,
             answer_decoder(config, catalogue),
         ).start()
-        # Serving once it answers one event (sent before then, the warm-up would wait in
-        # Kafka past its deadline and be shed); then a warm-up at the demo's rate, not
-        # counted: caches, the broker's JIT.
-        warmup = _encoded_ahead(spec, world, "warmup", encoder, int(rate * WARMUP_S) + 1)
-        send_at_rate(producer, spec.input_topic, iter(warmup[:1]), 1, 1)
-        collector.wait_for(1, 120)
-        send_at_rate(producer, spec.input_topic, iter(warmup[1:]), rate, WARMUP_S)
+        # Events sent before the worker is ready would wait in Kafka past their deadline
+        # and be shed. Then a warm-up at the demo's rate, not counted: caches, the JIT.
+        if not wait_until_ready(worker, config.metrics.port, READY_TIMEOUT_S):
+            raise click.ClickException(
+                f"the worker was not ready within {READY_TIMEOUT_S:.0f} s; "
+                f"see {state_dir / 'worker.log'}"
+            )
+        warmup = _encoded_ahead(spec, world, "warmup", encoder, int(rate * WARMUP_S))
+        send_at_rate(producer, spec.input_topic, iter(warmup), rate, WARMUP_S)
         if len(collector.wait_for(len(warmup), 120)) < len(warmup):
             raise click.ClickException(
                 f"the worker did not answer its warm-up; see {state_dir / 'worker.log'}"

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from features.store import prepare_sample_store
 from models.train import fallback_path
 from schemas.catalogue import SCHEMA_DIR
 from streams.config import HeadraceConfig, parse_config
+from streams.health import READY_PATH
 
 # The sample fraud pipeline's events and the checks they must pass (headrace.yaml's).
 FRAUD_INPUT: dict[str, Any] = {
@@ -178,6 +181,19 @@ def start_worker(config_file: Path, log_file: Path, log_level: str = "warn") -> 
     return start_process(
         ["-m", "tools.cli", "worker", "-c", str(config_file), "-l", log_level], log_file
     )
+
+
+def wait_until_ready(worker: subprocess.Popen, port: int, timeout_s: float) -> bool:
+    """Whether the worker answered ready on its metrics port (`/healthz/ready`: models
+    warmed, partitions assigned) within `timeout_s`; False at once if it exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and worker.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{READY_PATH}", timeout=1):
+                return True
+        except OSError:  # not listening yet, or 503: not ready yet
+            time.sleep(0.05)
+    return False
 
 
 def start_process(arguments: list[str], log_file: Path) -> subprocess.Popen:

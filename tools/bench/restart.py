@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -34,7 +33,6 @@ from infra.ports import free_port
 from infra.topics import delete_topics
 from schemas.catalogue import LocalCatalogue
 from streams.app import create_topics
-from streams.health import READY_PATH
 from tools.answers import answer_decoder, event_encoder
 from tools.bench.latency import LatencyLog, raw_reader
 from tools.collector import OutcomeCollector
@@ -44,6 +42,7 @@ from tools.deploy import (
     sample_config,
     start_worker,
     stop_worker,
+    wait_until_ready,
     write_config,
 )
 from tools.loadgen import encoded, events_for, send_at_rate
@@ -102,7 +101,12 @@ def restart_run(
         started = time.monotonic()
         worker = start_worker(state / "headrace.yaml", state / "worker.log")
         try:
-            ready_s = _wait_ready(port, started)
+            if not wait_until_ready(worker, port, READY_TIMEOUT_S):
+                raise click.ClickException(
+                    f"the worker was not ready within {READY_TIMEOUT_S:.0f} s; "
+                    f"see {state / 'worker.log'}"
+                )
+            ready_s = time.monotonic() - started
             load_from_ms = int(time.time() * 1000)  # events are stamped in whole ms
             send_at_rate(producer, spec.input_topic, iter(load), rate, seconds)
             outcomes = collector.wait_for(FIRST_LIFE_EVENTS + total, 60)
@@ -121,17 +125,6 @@ def restart_run(
         runtime, rate, ready_s, total, dict(Counter(a["status"] for a in answers)),
         np.array([a["latency_ms"] for a in answers]), arrival_us / 1000,
     )  # fmt: skip
-
-
-def _wait_ready(port: int, started: float) -> float:
-    """Seconds from the start until the worker answers ready."""
-    while time.monotonic() - started < READY_TIMEOUT_S:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{READY_PATH}", timeout=1):
-                return time.monotonic() - started
-        except OSError:
-            time.sleep(0.05)
-    raise click.ClickException(f"the worker was not ready within {READY_TIMEOUT_S:.0f} s")
 
 
 @dataclass(frozen=True)
