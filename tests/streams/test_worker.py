@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from confluent_kafka import Producer
 
 from features.store import open_store
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
 from tests.helpers import PATIENT_BUDGET_MS, committed_lag, produce_events, produce_raw, wait_until
 from tools.collector import OutcomeCollector
-from tools.loadgen import malformed_records
+from tools.loadgen import malformed_records, sample_events
 
 pytestmark = pytest.mark.integration
 
@@ -310,3 +312,26 @@ def test_a_clean_stop_in_the_middle_of_a_backlog_repeats_nothing(
         assert sorted(ids) == sorted(sent)
     finally:
         collector.stop()
+
+
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_events_without_a_key_are_answered_without_one(deploy, kafka, sample_assets, runtime):
+    """Many producers send no key (Kafka then spreads records over the partitions)."""
+    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
+    spec = deployment.spec
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")
+    events = list(itertools.islice(sample_events(sample_assets.world, 8, "keyless"), 30))
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for event in events:
+        producer.produce(spec.input_topic, encoder.encode(event))
+    assert producer.flush(30) == 0
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker():
+            outcomes = collector.wait_for(len(events), 120)
+    finally:
+        collector.stop()
+    assert outcomes.dead_letters == []
+    answers = outcomes.predictions
+    assert sorted(a["event_id"] for a in answers) == sorted(e["event_id"] for e in events)
+    assert {(a["status"], a["key"]) for a in answers} == {("OK", None)}
