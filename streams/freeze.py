@@ -11,7 +11,9 @@ rejoined (an assignment after a revoke), every answer it writes carries the
 `headrace.redelivered` header, as the
 replays of `streams/replay.py` do: a consumer that keeps the first answer per input
 keeps the new owner's. After the assignment the read-back of `streams/replay.py` covers
-the partitions it gets (back).
+the partitions it gets (back). Not covered: answers its Kafka client held unsent at the
+instant it froze; the client's threads send them as soon as it runs again, before any
+of ours can act (README, "Reading answers").
 
 A thread ticks every `TICK_S`; a gap between two ticks longer than the session timeout
 less one heartbeat interval is a freeze (a member whose last heartbeat came just before

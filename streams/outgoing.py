@@ -63,9 +63,10 @@ def dead_letter(
 
 
 def mark_redelivered(items: Sequence[Item], records: Sequence[OutRecord]) -> None:
-    """Add the `headrace.redelivered` header to the outcomes of inputs read again."""
+    """Add the `headrace.redelivered` header to the outcomes of inputs read again (once:
+    a retry marks again what was marked since the last attempt)."""
     for item, record in zip(items, records, strict=True):
-        if item.redelivered:
+        if item.redelivered and all(name != REDELIVERED for name, _ in record.headers):
             record.headers.append((REDELIVERED, b"1"))
 
 

@@ -326,6 +326,8 @@ class Pipeline:
                     outcomes, [item.record for item in prepared.outcome_items], spec.name,
                     spec.dead_letter_topic,
                 )  # fmt: skip
+        else:  # items marked since the last attempt (`PipelineRunner._mark_unsure`)
+            mark_redelivered(prepared.outcome_items, prepared.outgoing.records)
         encoded = time.perf_counter()
         with trace.stage("publish"):
             await self._publisher.publish(prepared.outgoing)

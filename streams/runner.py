@@ -382,9 +382,7 @@ class PipelineRunner:
             # Records Kafka refuses are dead-lettered by the publisher; what it retries
             # here is Kafka being unwritable for now, and each retry sends only the
             # outcomes Kafka has not acknowledged (`prepared.outgoing` keeps them).
-            if marked := self._mark_unsure(batch.items):  # decoded before a freeze
-                self._metrics.redelivered.inc(marked)
-            written = self._retrying(batch.records, "publish", self.pipeline.publish, prepared)
+            written = self._retrying(batch.records, "publish", self._publish_once, batch, prepared)
             if self._committing is None:
                 await written
                 await self._acknowledge(batch, prepared, started)
@@ -392,6 +390,13 @@ class PipelineRunner:
                 # Handed over now, in order; the next batch follows while it commits.
                 committing = asyncio.ensure_future(written)
                 await self._committing.put((batch, prepared, committing, started))
+
+    async def _publish_once(self, batch: _Batch, prepared: Prepared) -> None:
+        # Marked before every attempt: a batch decoded before a freeze, or one whose
+        # attempt failed across it (frozen past `delivery.timeout.ms`), is sent marked.
+        if marked := self._mark_unsure(batch.items):
+            self._metrics.redelivered.inc(marked)
+        await self.pipeline.publish(prepared)
 
     def _mark_unsure(self, items: Sequence[Item]) -> int:
         """While the worker may have been frozen past its session, mark what it answers

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, Message
+from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, Consumer, Message
 
 from infra.kafka_clients import client_settings
 from schemas.codec import AvroDecoder
@@ -163,12 +163,14 @@ class OutcomeCollector:
                     prediction["latency_ms"] = read_ms - prediction["event_timestamp_ms"]
                     # On a topic with LogAppendTime: when the broker appended the answer,
                     # i.e. when it became visible to every consumer (not just this one).
-                    kind, appended_ms = message.timestamp()
+                    kind, stamp_ms = message.timestamp()
                     prediction["visible_latency_ms"] = (
-                        appended_ms - prediction["event_timestamp_ms"]
+                        stamp_ms - prediction["event_timestamp_ms"]
                         if kind == TIMESTAMP_LOG_APPEND_TIME
                         else None
                     )
+                    # Else when the worker handed the answer to its Kafka client.
+                    prediction["produced_ms"] = stamp_ms if kind == TIMESTAMP_CREATE_TIME else None
                     prediction["key"] = message.key()
                     # Read again after a handover that could not check for a first answer.
                     prediction["redelivered"] = any(

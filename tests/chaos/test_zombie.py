@@ -1,6 +1,11 @@
 """A worker frozen past its session (SIGSTOP: a stalled VM, a swap storm) loses its
 partitions to the rest of the group; when it runs again, what it answers that the new
-owner answered already is marked `headrace.redelivered`, and comes second."""
+owner answered already is marked `headrace.redelivered`, and comes second.
+
+Except what it had handed to its Kafka client just before it froze, not sent yet: the
+client sends that as soon as the process runs again, before the worker can notice the
+freeze (README, "Reading answers"). Such a repeat was produced before the answer it follows
+(the record's CreateTime), which tells it apart from a check that missed an answer."""
 
 from __future__ import annotations
 
@@ -47,4 +52,9 @@ def test_what_a_worker_frozen_past_its_session_answers_again_is_marked(
     finally:
         collector.stop()
     print(f"{runtime}: frozen {frozen_s:.0f} s")
-    repeats_marked(answers)
+    repeats_marked(answers, excused=sent_late)
+
+
+def sent_late(first: dict, repeat: dict) -> bool:
+    """Produced before the answer it follows: it waited in the frozen worker's client."""
+    return repeat["produced_ms"] < first["produced_ms"] and not repeat["redelivered"]

@@ -4,6 +4,7 @@ feature store, models and Kafka (the real ones are in test_worker and test_overl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from streams.admit import Admission, Estimates, Ladder, Tickets
 from streams.config import PipelineConfig
 from streams.decode import EventDecoder
 from streams.encode import AnswerEncoder
+from streams.errors import PublishError
 from streams.infer import Model
+from streams.outgoing import REDELIVERED
 from streams.pipeline import Pipeline
 from streams.records import InputRecord
 from streams.serving import Serving
@@ -266,6 +269,36 @@ def test_a_non_finite_model_answer_is_never_ok(score):
     built, parts = pipeline(default_score=None, full_score=score)
     (answer,) = run(built, parts, records([0.010]), FAST)
     assert (answer["status"], answer["reason"]) == ("SHED", "non_finite_answer")
+
+
+def test_inputs_marked_between_publish_attempts_are_sent_marked_once():
+    built, parts = pipeline()
+    attempts: list[list[int]] = []  # per attempt, each record's count of markers
+
+    async def publish_failing_twice(batch) -> None:
+        attempts.append([[name for name, _ in r.headers].count(REDELIVERED) for r in batch])
+        if len(attempts) < 3:
+            raise PublishError("Kafka away")
+
+    parts["publisher"].publish = publish_failing_twice
+
+    async def stages() -> None:
+        items = await parts["decoder"].decode(records([0.01, 0.01, 0.01]), [0, 1, 2])
+        prepared = built.prepare(items)
+        built.route(prepared.admitted, FAST)
+        await built.read_features(prepared)
+        await built.infer(prepared)
+        with pytest.raises(PublishError):
+            await built.publish(prepared)
+        # The worker froze past its session meanwhile: the runner marks what it retries.
+        for item in items[1:]:
+            item.redelivered = True
+        for _ in range(2):
+            with contextlib.suppress(PublishError):
+                await built.publish(prepared)
+
+    asyncio.run(stages())
+    assert attempts == [[0, 0, 0], [0, 1, 1], [0, 1, 1]]
 
 
 def test_a_canary_that_fails_to_run_hands_its_events_back_to_the_serving_version():

@@ -103,7 +103,7 @@ def chunk(first: int, count: int) -> list[InputRecord]:
     return [InputRecord("in", 0, o, 0, b"k", b"v") for o in range(first, first + count)]
 
 
-def runner(pipeline: FakePipeline, acked: list, fatal: list) -> PipelineRunner:
+def runner(pipeline: FakePipeline, acked: list, fatal: list, **options) -> PipelineRunner:
     def ack(handles) -> None:
         acked.append(list(handles))
         pipeline.log.append(f"acked {list(handles)}")
@@ -117,6 +117,7 @@ def runner(pipeline: FakePipeline, acked: list, fatal: list) -> PipelineRunner:
     return PipelineRunner(
         pipeline, FakeDecoder(), InFlight("runner-test", 1000, 500), ack, on_fatal,
         clock=lambda: 1000.0, wall_clock=lambda: 1_800_000_000.0, retry_delays_s=(0, 0, 0),
+        **options,
     )  # fmt: skip
 
 
@@ -207,6 +208,31 @@ async def test_transient_failures_are_retried_and_acked_once():
     await run.stop()
     assert acked == [[0, 1, 2, 3]] and pipeline.published == [[0, 1, 2, 3]]
     assert not fatal
+
+
+async def test_a_publish_retried_after_a_freeze_past_the_session_is_marked():
+    pipeline, acked, fatal = FakePipeline(), [], []
+    frozen = False
+    attempts: list[list[bool]] = []
+    publish = pipeline.publish
+
+    async def publish_across_a_freeze(prepared) -> None:
+        nonlocal frozen
+        attempts.append([item.redelivered for item in prepared.items])
+        if len(attempts) == 1:
+            frozen = True  # frozen past the client's delivery timeout: the records failed
+            raise PublishError("timed out")
+        await publish(prepared)
+
+    pipeline.publish = publish_across_a_freeze
+    run = runner(pipeline, acked, fatal, unsure=lambda: frozen)
+    await run.start()
+    records = chunk(0, 4)
+    run.submit(records, [r.offset for r in records])
+    await run.drain()
+    await run.stop()
+    assert attempts == [[False] * 4, [True] * 4]
+    assert acked == [[0, 1, 2, 3]] and not fatal
 
 
 async def test_a_bug_stops_the_worker_without_acking_the_batch():
