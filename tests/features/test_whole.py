@@ -63,6 +63,28 @@ async def test_a_small_view_is_served_whole_without_store_reads(repo):
         uncached.close()
 
 
+async def test_events_sharing_keys_and_absent_entities_get_the_rows_a_store_read_gives(repo):
+    events = [
+        *EVENTS, EVENTS[0], {"user_id": "nobody", "merchant_id": EVENTS[1]["merchant_id"]},
+        EVENTS[1], {**EVENTS[2], "merchant_id": "nowhere"},
+    ]  # fmt: skip
+    lookup = warmed(repo)
+    uncached = FeatureLookup(
+        open_store(repo), "fraud_scoring", ENTITY_FIELDS, FeatureCacheConfig(max_entries=0)
+    )
+    try:
+        rows = await lookup.fetch(events)
+        expected = uncached.read(events)
+        assert rows.store_reads == 0 and expected.store_reads > 0
+        for ref in lookup.feature_refs:
+            np.testing.assert_array_equal(rows.columns[ref], expected.columns[ref])
+        assert rows.missing_views == expected.missing_views
+        assert rows.missing_views[-3:] == [("user_stats",), (), ("merchant_stats",)]
+    finally:
+        lookup.close()
+        uncached.close()
+
+
 async def test_a_write_to_the_store_is_served_within_the_staleness_bound(repo):
     lookup = warmed(repo, max_staleness_s=2.0)
     event = {"user_id": "u0000001", "merchant_id": "m000001"}
