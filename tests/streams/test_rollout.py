@@ -199,7 +199,8 @@ def test_canary_is_sticky_per_key_and_shadow_writes_one_answer_per_input(lifecyc
     shadow.stop()
 
     # Shadow: the serving answers are those of the run without it (timings aside).
-    varying = ("timings", "input_offset", "event_timestamp_ms", "latency_ms", "visible_latency_ms")
+    varying = ("timings", "input_offset", "event_timestamp_ms", "latency_ms", "visible_latency_ms",
+               "produced_ms")  # fmt: skip
 
     def answers(run):
         return sorted(({k: v for k, v in a.items() if k not in varying} for a in run),
