@@ -70,6 +70,15 @@ def test_an_unreachable_broker_is_named_in_one_line_within_seconds(
     assert done.lines == [message]
 
 
+def test_a_bench_against_an_unreachable_broker_says_so_in_one_line(tmp_path):
+    bootstrap = f"127.0.0.1:{free_port()}"
+    done = headrace("bench", "--bootstrap", bootstrap, "--out", str(tmp_path), cwd=tmp_path)
+    message = assert_refused(
+        done, EXIT_UNAVAILABLE, f"Kafka at {bootstrap} could not be reached within 5 s"
+    )
+    assert done.lines == [message]
+
+
 def test_a_config_error_exits_2(tmp_path):
     path = tmp_path / "headrace.yaml"
     path.write_text("pipelines: []\n")

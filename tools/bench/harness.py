@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from features.sample_data import SampleWorld
 from infra.kafka import KafkaBroker
+from infra.kafka_clients import client_settings, list_topics
 from infra.ports import free_port
 from infra.topics import delete_topics, ensure_topics
 from infra.zipkin import ZipkinServer
@@ -231,8 +232,10 @@ class Bench:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         broker = self._broker()
         self.bootstrap = settings.bootstrap_servers or broker.bootstrap_servers
+        if broker is None:  # a broker of the caller's: one clear line if it is not there
+            list_topics(self.bootstrap)
         # One producer sends every system's load: the same client for every figure.
-        self.producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 1})
+        self.producer = Producer({**client_settings(self.bootstrap, "bench-load"), "linger.ms": 1})
         self.broker_pid = broker.process.pid() if broker is not None else None
         started = time.time()
         self.zipkin = self._zipkin()
