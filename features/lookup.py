@@ -83,7 +83,6 @@ class _View:
     ) -> None:
         self.reader = reader
         self.name = reader.view.name
-        self.fields = fields
         self.cache = cache
         self.whole = whole
         self.columns = [f"{self.name}__{feature}" for feature in reader.features]
