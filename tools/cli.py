@@ -724,15 +724,16 @@ def demo(
 @click.option(
     "--no-baselines",
     is_flag=True,
-    help="Only headrace's runtimes among the systems (no naive, Kafka, ONNX, MLServer).",
+    help="Only headrace's runtimes among the systems (no naive, Kafka, relay, ONNX, MLServer).",
 )
 @click.option(
     "--system",
     "systems",
     multiple=True,
-    type=click.Choice(["kafka", "headrace", "bare", "naive", "mlserver"]),
+    type=click.Choice(["kafka", "relay", "headrace", "bare", "naive", "mlserver"]),
     help="Systems the sweep runs (repeatable; default all: headrace is the Faust runtime; "
-    "mlserver builds its own environment on first use, skipped if it cannot).",
+    "relay is a plain confluent-kafka consume-and-produce loop, the Kafka floor of a "
+    "worker; mlserver builds its own environment on first use, skipped if it cannot).",
 )
 @click.option(
     "--scenario",

@@ -51,7 +51,8 @@ from models.synthetic import write_heavy_model
 from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from tools.bench import flame
+from streams.config import BrokerConfig
+from tools.bench import flame, relay
 from tools.bench.cpu import CpuMeter
 from tools.bench.latency import (
     LatencyLog,
@@ -77,6 +78,9 @@ from tools.loadgen import Record, encoded, sample_events, send_at_rate
 
 EVENT_POOL = 20_000
 OVERLOAD_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
+# The raw ONNX run after an idle gap: the gap between batches at 100 events/s.
+IDLE_GAP_S = 0.01
+IDLE_GAP_RUNS = 100
 # The capacity ramp stops at the first step answering less than this share in full.
 RAMP_OK_SHARE = 0.9
 # A sweep step is within budget when at least this share is answered in full (status OK)
@@ -124,11 +128,11 @@ class BenchSettings(BaseModel):
     max_batch_size: int = Field(64, ge=1, le=4096)
     max_wait_ms: float = Field(5.0, ge=0)
     baselines: bool = True
-    systems: tuple[Literal["kafka", "headrace", "bare", "naive", "mlserver"], ...] = (
-        "kafka", "headrace", "bare", "naive", "mlserver")  # fmt: skip
+    systems: tuple[Literal["kafka", "relay", "headrace", "bare", "naive", "mlserver"], ...] = (
+        "kafka", "relay", "headrace", "bare", "naive", "mlserver")  # fmt: skip
     """Systems the sweep runs, in this order (raw Kafka first: it also warms the broker);
     `baselines=False` keeps only headrace's runtimes among them (`headrace`, the Faust
-    runtime, and `bare`)."""
+    runtime, and `bare`). `relay` is a plain confluent-kafka relay (`relay.py`)."""
     mlserver_venv: Path = DEFAULT_VENV
     """MLServer's own environment, built there on first use."""
     mlserver_batch_time_ms: float = Field(2.0, ge=0)
@@ -215,6 +219,8 @@ class SystemUnderTest:
     workers: list[subprocess.Popen] = field(default_factory=list)
     """The worker processes of one group, where there are several (`process` is the first)."""
     group: str | None = None
+    profiled: bool = True
+    """Whether its sweep ends with a py-spy profile (not for the relay: no stages)."""
 
 
 class Bench:
@@ -271,10 +277,13 @@ class Bench:
             systems = settings.swept_systems()
             if settings.baselines:
                 results["onnx"] = self._raw_onnx()
+                results["onnx_after_idle"] = self._raw_onnx_after_idle()
             self._warm_broker()
             for system in systems:
                 if system == "kafka":
                     results["steps"] += self._run_raw_kafka(settings.offered_rates())
+                elif system == "relay":
+                    results["steps"] += self._run_relay()
                 elif system == "naive":
                     results["steps"] += self._run_naive()
                 elif system == "mlserver":
@@ -332,7 +341,7 @@ class Bench:
                 check = self._step(system, CPU_CHECK_PER_S)
                 check.phase = "check"
                 steps.append(check)
-            if self.settings.profile and flame.available():
+            if self.settings.profile and system.profiled and flame.available():
                 summary["flame"] = self._profile(system, summary["sustainable_per_s"])
             if system.restart is not None:
                 summary["restarts"] = system.restarts
@@ -529,6 +538,31 @@ class Bench:
         finally:
             system.reader.stop()
 
+    def _run_relay(self) -> list[StepResult]:
+        """A plain confluent-kafka relay (consume, produce, nothing else) fetching as the
+        bare runtime does by default: in the same run as the workers, the Kafka floor of
+        their CPU per event and latency, and the ceiling of their rate."""
+        source = self._topic("relay-in", self.settings.partitions)
+        sink = self._topic("relay-out", self.settings.partitions)
+        defaults = BrokerConfig()
+        fetch = {"fetch.min.bytes": defaults.fetch_min_bytes,
+                 "fetch.wait.max.ms": defaults.fetch_max_wait_ms}  # fmt: skip
+        log = LatencyLog()
+        system = SystemUnderTest("relay", source, raw_reader(self.bootstrap, [sink], log), log,
+                                 profiled=False)  # fmt: skip
+        system.reader.start()
+        log_file = self.state_dir / "relay.log"
+        self.echo("starting relay")
+        system.process = relay.start(self.bootstrap, source, sink, fetch, log_file)
+        system.pid = system.process.pid
+        try:
+            self._warm_up(system, log_file)
+        except click.ClickException:
+            stop_worker(system.process)
+            system.reader.stop()
+            raise
+        return self._measure_worker(system)
+
     def _raw_onnx(self) -> list[dict]:
         """The compute floor: the model on in-memory matrices at each batch size."""
         self.echo("raw ONNX Runtime at each batch size")
@@ -552,6 +586,31 @@ class Bench:
                          "p99_us": p99, "per_event_us": p50 / size,
                          "events_per_s": size / p50 * 1e6})  # fmt: skip
         return rows
+
+    def _raw_onnx_after_idle(self) -> dict:
+        """The model at batch size 1, CPU time per run back to back and after each idle
+        gap: at light load a worker runs each small batch after such a gap, and on a
+        shared machine its caches are cold by then, which no code of ours can avoid."""
+        session = load_session(ModelConfig(path=self.model_path))
+        (model_input,) = session.get_inputs()
+        feeds = {model_input.name: np.ones((1, model_input.shape[1]), dtype=np.float32)}
+
+        def cpu_us(gap_s: float) -> float:
+            timings = []
+            for _ in range(IDLE_GAP_RUNS):
+                if gap_s:
+                    time.sleep(gap_s)
+                began = time.thread_time_ns()
+                session.run(None, feeds)
+                timings.append((time.thread_time_ns() - began) / 1000)
+            return float(np.median(timings))
+
+        return {
+            "gap_ms": IDLE_GAP_S * 1000,
+            "runs": IDLE_GAP_RUNS,
+            "hot_cpu_p50_us": cpu_us(0.0),
+            "after_gap_cpu_p50_us": cpu_us(IDLE_GAP_S),
+        }
 
     # Mechanics ------------------------------------------------------------------
 

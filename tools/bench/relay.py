@@ -4,8 +4,9 @@ The relay consumes each record and produces it again (same key, value and timest
 idempotent producer, `acks=all`, offsets stored on delivery), and does nothing else.
 Its CPU per event is what any Python worker on this machine pays for Kafka alone, and
 its round trip is the latency floor of one more hop. It fetches as the bare runtime
-does by default. Run it beside a worker to read the worker's figures against it, or
-with other consumer settings to see what they cost:
+does by default. `headrace bench` sweeps it beside the workers (system `relay`); run it
+alone to read a worker's figures against it, or with other consumer settings to see
+what they cost:
 
     python -m tools.bench.relay --bootstrap 127.0.0.1:9092 --rate 100 --seconds 15
     python -m tools.bench.relay --bootstrap 127.0.0.1:9092 --rate 100 --seconds 15 \\
@@ -24,6 +25,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 from confluent_kafka import Consumer, Producer
@@ -32,6 +34,7 @@ from infra.kafka_clients import client_settings
 from infra.topics import delete_topics, ensure_topics
 from tools.bench.cpu import cpu_seconds
 from tools.bench.latency import LatencyLog, LatencySummary, raw_reader
+from tools.deploy import start_process
 from tools.loadgen import send_at_rate
 
 STOP = b"relay-stop"
@@ -84,6 +87,19 @@ def serve(bootstrap: str, source: str, sink: str, consumer_settings: dict[str, o
         consumer.close()
 
 
+def start(
+    bootstrap: str, source: str, sink: str, consumer_settings: dict[str, object],
+    log_file: Path | None = None,
+) -> subprocess.Popen:  # fmt: skip
+    """A relay process from `source` to `sink` (ended by SIGTERM or `STOP`)."""
+    arguments = ["-m", "tools.bench.relay", "--serve", "--bootstrap", bootstrap,
+                 "--source", source, "--sink", sink,
+                 *(f"--set={key}={value}" for key, value in consumer_settings.items())]  # fmt: skip
+    if log_file is not None:
+        return start_process(arguments, log_file)
+    return subprocess.Popen([sys.executable, *arguments])
+
+
 def measure(
     bootstrap: str,
     rate: float,
@@ -96,11 +112,7 @@ def measure(
     tag = uuid.uuid4().hex[:8]
     source, sink = f"relay-in-{tag}", f"relay-out-{tag}"
     ensure_topics(bootstrap, {source: 3, sink: 3})
-    relay = subprocess.Popen([
-        sys.executable, "-m", "tools.bench.relay", "--serve", "--bootstrap", bootstrap,
-        "--source", source, "--sink", sink,
-        *(f"--set={key}={value}" for key, value in consumer_settings.items()),
-    ])  # fmt: skip
+    relay = start(bootstrap, source, sink, consumer_settings)
     log = LatencyLog()
     reader = raw_reader(bootstrap, [sink], log).start()
     producer = Producer({**client_settings(bootstrap, "relay-load"), "linger.ms": 1})

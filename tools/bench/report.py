@@ -47,8 +47,9 @@ def verdicts(steps: list[StepResult], budget_ms: float, systems: dict | None = N
     systems = systems or {}
     # The sweep's own figure (every repeat of a refining rate passed) where it ran.
     names = ["headrace", "bare", "naive", "kafka"]
-    if "mlserver" in systems or any(s.system == "mlserver" for s in steps):
-        names.append("mlserver")
+    for optional in ("relay", "mlserver"):
+        if optional in systems or any(s.system == optional for s in steps):
+            names.append(optional)
     rates = {
         name: systems.get(name, {}).get("sustainable_per_s", sustainable(steps, name))
         for name in names
@@ -67,6 +68,10 @@ def verdicts(steps: list[StepResult], budget_ms: float, systems: dict | None = N
         figures = _worker_figures(steps, system, rates[system], systems)
         if figures is not None:
             out["runtimes"][runtime] = figures
+    if "relay" in rates:
+        out["faust_over_relay"] = _ratio(rates["headrace"], rates["relay"])
+        out["bare_over_relay"] = _ratio(rates["bare"], rates["relay"])
+        out["relay"] = _worker_figures(steps, "relay", rates["relay"], systems) or {}
     if "mlserver" in rates:
         out["faust_over_mlserver"] = _ratio(rates["headrace"], rates["mlserver"])
         out["bare_over_mlserver"] = _ratio(rates["bare"], rates["mlserver"])
@@ -86,7 +91,8 @@ def _worker_figures(
 ) -> dict | None:
     """A worker process's CPU figures (idle, at its sustainable rate, at 1,000/s) and its
     light-load step (the sweep rate nearest 10% of its sustainable one) beside raw
-    Kafka's at that rate; None if it has no steps."""
+    Kafka's at that rate (and the relay's, where it ran that rate); None if it has no
+    steps."""
     ours = [s for s in steps if s.system == system]
     if not ours:
         return None
@@ -110,6 +116,14 @@ def _worker_figures(
             "p50_over_kafka_ms": sweep[light].latency.p50_ms - kafka[light].latency.p50_ms,
             "p99_over_kafka_ms": sweep[light].latency.p99_ms - kafka[light].latency.p99_ms,
         }
+        relay = [s for s in steps if s.system == "relay" and s.phase == "sweep"
+                 and s.offered_per_s == light]  # fmt: skip
+        if relay and system != "relay":
+            figures["light_load"]["relay"] = {
+                "cpu_us": relay[-1].cpu_us_per_event.get("worker"),
+                "p50_over_kafka_ms": relay[-1].latency.p50_ms - kafka[light].latency.p50_ms,
+                "p99_over_kafka_ms": relay[-1].latency.p99_ms - kafka[light].latency.p99_ms,
+            }
     return figures
 
 
@@ -131,11 +145,13 @@ def _target_lines(v: dict, systems: dict) -> list[str]:
         return figure
 
     def fmt(x: float | None, unit: str = "") -> str:
-        return "-" if x is None else f"{x:,.2f}{unit}"
+        # Cores are fractions near 0.02 (the idle target): a third digit tells them apart.
+        return "-" if x is None else f"{x:,.{3 if unit == ' cores' else 2}f}{unit}"
 
     lines = [
         f"- Sustainable rates: faust runtime {rate('headrace')}, bare {rate('bare')}, "
         f"raw Kafka {rate('kafka')}, naive per-event loop {rate('naive')}"
+        + (f", plain relay {rate('relay')}" if "relay" in v["sustainable_per_s"] else "")
         + (
             f", MLServer Kafka mode {rate('mlserver')}."
             if "mlserver" in v["sustainable_per_s"]
@@ -178,6 +194,7 @@ def _target_lines(v: dict, systems: dict) -> list[str]:
                 f"{LIGHT_P50_OVER_KAFKA_MAX_MS:.0f} and {LIGHT_P99_OVER_KAFKA_MAX_MS:.0f} ms): "
                 f"{met(light['p50_over_kafka_ms'] <= LIGHT_P50_OVER_KAFKA_MAX_MS)}, "
                 f"{met(light['p99_over_kafka_ms'] <= LIGHT_P99_OVER_KAFKA_MAX_MS)}."
+                + _relay_at_light_load(light.get("relay"), fmt)
             )
         lines.append(
             f"- {runtime}: worker CPU per event at 1,000/s "
@@ -195,9 +212,40 @@ def _target_lines(v: dict, systems: dict) -> list[str]:
         f"{FAUST_CPU_OVER_BARE_MAX}): "
         f"{met(None if ratio is None else ratio <= FAUST_CPU_OVER_BARE_MAX)}."
     )
+    if "relay" in v:
+        lines += _relay_lines(v, fmt)
     if "mlserver" in v:
         lines += _mlserver_lines(v, fmt, met)
     return lines
+
+
+def _relay_at_light_load(relay: dict | None, fmt) -> str:
+    if not relay:
+        return ""
+    return (
+        f" The plain relay at that rate: {fmt(relay['cpu_us'], ' µs')} per event, p50 "
+        f"{relay['p50_over_kafka_ms']:+.1f} and p99 {relay['p99_over_kafka_ms']:+.1f} ms over "
+        "raw Kafka."
+    )
+
+
+def _relay_lines(v: dict, fmt) -> list[str]:
+    """The plain relay: what Kafka alone costs a Python worker here, and headrace's
+    rates against its rate (no target: a floor to read the targets against)."""
+    figures = v["relay"]
+    cpu = [
+        f"{fmt(figures.get('cpu_us_at_1000'), ' µs')} at 1,000/s",
+        f"{fmt(figures.get('cpu_us_at_sustainable'), ' µs')} at its sustainable rate",
+    ]
+    light = figures.get("light_load")
+    if light:
+        cpu.append(f"{fmt(light['cpu_us'], ' µs')} at {light['offered_per_s']:,.0f}/s")
+    return [
+        f"- Plain relay (consume and produce, nothing else; fetching as bare does): Faust / "
+        f"relay sustainable {fmt(v['faust_over_relay'])}, bare / relay "
+        f"{fmt(v['bare_over_relay'])}; its CPU per event {', '.join(cpu)}; idle "
+        f"{fmt(figures.get('idle_cores'), ' cores')}."
+    ]
 
 
 def _mlserver_lines(v: dict, fmt, met) -> list[str]:
@@ -267,6 +315,7 @@ def write_reports(results: dict, out_dir: Path) -> dict[str, Path]:
         "systems": systems,
         "steps": [asdict(s) for s in steps],
         "onnx": results.get("onnx", []),
+        "onnx_after_idle": results.get("onnx_after_idle"),
         "overload": results.get("overload"),
         "capacity": results.get("capacity"),
         "scaleout": results.get("scaleout"),
@@ -353,6 +402,14 @@ def _markdown(doc: dict) -> str:
                 f"| {row['batch_size']} | {row['p50_us']:.0f} | {row['p99_us']:.0f} | "
                 f"{row['per_event_us']:.1f} | {row['events_per_s']:,.0f} |"
             )
+    idle = doc.get("onnx_after_idle")
+    if idle:
+        lines += ["", f"Batch size 1, CPU time per run (median of {idle['runs']}): "
+                  f"{idle['hot_cpu_p50_us']:.0f} µs back to back, "
+                  f"{idle['after_gap_cpu_p50_us']:.0f} µs after {idle['gap_ms']:.0f} ms idle "
+                  "each time. A worker at light load runs every small batch after such a "
+                  "gap, with the machine's caches gone cold: part of its CPU per event "
+                  "is this machine's, not its code's."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -478,6 +535,7 @@ def _plot(steps: list[StepResult], budget_ms: float, path: Path) -> None:
         ("bare", "tab:green"),
         ("naive", "tab:red"),
         ("mlserver", "tab:purple"),
+        ("relay", "tab:olive"),
         ("kafka", "tab:gray"),
     )
     # Scenarios name their systems (e.g. swap-bare, swap-bare-shadow): default colours.

@@ -76,6 +76,40 @@ def test_the_verdicts_compare_headrace_with_mlserver_and_report_its_figures(tmp_
     assert "restarted on new topics 2 times" in text
 
 
+def test_the_verdicts_read_headrace_against_the_plain_relay(tmp_path):
+    steps = [
+        _step("kafka", 100.0, [2_000, 3_000], 0.0),
+        _step("relay", 100.0, [6_000, 7_000], 400.0),
+        _step("relay", 1_000.0, [6_000, 7_000], 90.0),
+        _step("relay", 4_000.0, [9_000, 10_000], 60.0),
+        _step("headrace", 100.0, [5_000, 6_000], 900.0),
+        _step("headrace", 1_000.0, [9_000, 10_000], 300.0),
+        _step("bare", 100.0, [8_000, 9_000], 700.0),
+        _step("bare", 2_000.0, [8_000, 9_000], 250.0),
+    ]
+    steps[2].phase = "check"
+    systems = {
+        "headrace": {"sustainable_per_s": 1_000.0},
+        "bare": {"sustainable_per_s": 2_000.0},
+        "relay": {"sustainable_per_s": 4_000.0, "idle_cores": 0.018},
+    }
+    results = {"settings": BenchSettings().model_dump(mode="json"), "steps": steps,
+               "systems": systems, "onnx": [], "elapsed_s": 1.0}  # fmt: skip
+    text = write_reports(results, tmp_path)["markdown"].read_text()
+    assert "raw Kafka 100/s, naive per-event loop 0/s, plain relay 4,000/s." in text
+    assert (
+        "- Plain relay (consume and produce, nothing else; fetching as bare does): Faust / "
+        "relay sustainable 0.25, bare / relay 0.50; its CPU per event 90.00 µs at 1,000/s, "
+        "60.00 µs at its sustainable rate, 400.00 µs at 100/s; idle 0.018 cores."
+    ) in text
+    # Each runtime's light-load line names the relay's figures at the same rate.
+    light = next(line for line in text.splitlines() if line.startswith("- bare: light load"))
+    assert light.endswith(
+        "The plain relay at that rate: 400.00 µs per event, p50 +4.0 and p99 +4.0 ms over "
+        "raw Kafka."
+    )
+
+
 def test_a_skipped_mlserver_baseline_says_why(tmp_path):
     systems = {"mlserver": {"skipped": "could not install MLServer (exit 1):\npip said no"}}
     results = {"settings": BenchSettings().model_dump(mode="json"), "steps": [],

@@ -22,7 +22,7 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
         repeats=1,
         idle_s=0.5,
         # Not MLServer: it needs its own environment, built from PyPI (never by the tests).
-        systems=("kafka", "headrace", "bare", "naive"),
+        systems=("kafka", "relay", "headrace", "bare", "naive"),
         bootstrap_servers=kafka.bootstrap_servers,
         # The session's assets folder: the trained model is reused.
         state_dir=sample_assets.repo.parent,
@@ -34,7 +34,7 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
     assert "## Verdicts" in paths["markdown"].read_text()
     report = json.loads(paths["json"].read_text())
     systems = {step["system"] for step in report["steps"]}
-    assert systems == {"headrace", "bare", "kafka", "naive"}
+    assert systems == {"headrace", "bare", "kafka", "relay", "naive"}
     for step in report["steps"]:
         assert step["measured"] > 0
         assert step["answered"] + step["unanswered"] == step["measured"]
@@ -46,6 +46,14 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
     headrace_steps = [s for s in report["steps"] if s["system"] in ("headrace", "bare")]
     assert all(s["profile"]["events"] > 0 for s in headrace_steps)
     assert report["onnx"][0]["batch_size"] == 1
+    cold = report["onnx_after_idle"]
+    assert cold["hot_cpu_p50_us"] > 0 and cold["after_gap_cpu_p50_us"] > 0
+    assert "µs after 10 ms idle each time" in paths["markdown"].read_text()
     verdicts = report["verdicts"]
-    assert set(verdicts["sustainable_per_s"]) == {"headrace", "bare", "naive", "kafka"}
+    assert set(verdicts["sustainable_per_s"]) == {"headrace", "bare", "naive", "kafka", "relay"}
+    # The relay copies the inputs: every one comes back, and it has the worker's figures.
+    relay_steps = [s for s in report["steps"] if s["system"] == "relay"]
+    assert all(set(s["statuses"]) == {"RAW"} and s["unanswered"] == 0 for s in relay_steps)
+    assert all(s["cpu_us_per_event"]["worker"] > 0 for s in relay_steps)
+    assert verdicts["relay"]["idle_cores"] is not None
     assert report["machine"]["packages"]["headrace"]
