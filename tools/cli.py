@@ -840,7 +840,7 @@ def bench(
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
         baselines=not no_baselines,
-        systems=systems or ("kafka", "headrace", "bare", "naive", "mlserver"),
+        systems=systems or BenchSettings.model_fields["systems"].default,
         scenario=scenario,
         runtimes=runtimes or (("bare",) if scenario == "scaleout" else ("bare", "faust")),
         target_per_s=target_rate,
