@@ -35,6 +35,8 @@ DEFAULT_TIMEOUT_S = 5.0
 # librdkafka's thread prefix ("[thrd:main]: "), and what else changes between repeats of
 # the same failure: durations ("after 0ms", "in 1.5 s"), fractions (drifts, seconds).
 _THREAD = re.compile(r"^\[thrd:[^\]]*\]: ")
+# librdkafka's note on a setting it calls experimental (its other CONFWARNs stay warnings).
+_EXPERIMENTAL = re.compile(r"^CONFWARN: Configuration property \S+ is experimental")
 _VARYING = re.compile(rf"{_THREAD.pattern}|\b\d+(\.\d+)?\s?(ms|s)\b|\b\d+\.\d+\b")
 
 
@@ -138,6 +140,10 @@ class ClientLog:
         if len(args) == 3:
             facility, _name, text = args
             message = f"{facility}: {_THREAD.sub('', str(text))}"
+            if facility == "CONFWARN" and _EXPERIMENTAL.search(message):
+                # Every setting is headrace's own (the publisher's gapless guarantee is
+                # experimental): at each start, nothing an operator could act on.
+                level = logging.INFO
         elif args:
             message = message % args
         self._emit(min(level, logging.WARNING), message)

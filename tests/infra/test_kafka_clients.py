@@ -109,6 +109,28 @@ def test_librdkafka_lines_and_errors_become_one_warning(caplog):
     assert [r.levelno for r in caplog.records if "details" in r.getMessage()] == [logging.DEBUG]
 
 
+def test_a_setting_librdkafka_calls_experimental_is_not_a_warning_at_every_start(caplog):
+    experimental = (
+        "Configuration property enable.gapless.guarantee is experimental: When set to "
+        "`true`, any error that could result in a gap in the produced message series when a "
+        "batch of messages fails, will raise a fatal error (ERR__GAPLESS_GUARANTEE) and stop "
+        "the producer."
+    )
+    ignored = (
+        "Configuration property fetch.wait.max.ms is a consumer property and will be ignored "
+        "by this producer instance"
+    )
+    client = ClientLog("publisher")
+    with caplog.at_level(logging.DEBUG, logger="kafka"):
+        for text in (experimental, ignored):
+            client.log(logging.WARNING, "%s [%s] %s", "CONFWARN", "rdkafka#producer-1",
+                       f"[thrd:app]: {text}")  # fmt: skip
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"publisher: CONFWARN: {experimental}"),
+        (logging.WARNING, f"Kafka publisher: CONFWARN: {ignored}"),
+    ]
+
+
 def test_a_python_logger_is_rate_limited_by_kind(caplog):
     clock = FakeClock()
     logger = logging.getLogger("tests.flood")
