@@ -8,13 +8,15 @@ the sample answer takes 4-5 µs, and a string seen before (a topic, a model name
 status) is encoded once.
 
 fastavro stays the reference. A value this path was not built for (another Python
-type, such as a numpy scalar; an absent field; a number out of range) raises
-`NotHandled`, and the caller encodes that record with fastavro, which writes it or
-raises its own error. So this path never writes what fastavro would write
-differently or refuse. It covers what answer schemas hold: null, boolean, int, long,
-float, double, string, bytes, enums, records, arrays, maps, and unions of null with
-one other type. A schema with anything else (logical types, fixed, wider unions) is
-not compiled (`compile_writer` returns None): fastavro writes all of its records.
+type, such as a numpy scalar; a number out of range; an absent field without a default
+this path can write) raises `NotHandled`, and the caller encodes that record with
+fastavro, which writes it or raises its own error. An absent field with a default (an
+optional field a producer leaves out) is written here, as fastavro would write it.
+So this path never writes what fastavro would write differently or refuse. It covers
+what answer schemas hold: null, boolean, int, long, float, double, string, bytes,
+enums, records, arrays, maps, and unions of null with one other type. A schema with
+anything else (logical types, fixed, wider unions) is not compiled (`compile_writer`
+returns None): fastavro writes all of its records.
 """
 
 from __future__ import annotations
@@ -158,6 +160,12 @@ _SIMPLE: dict[str, Writer] = {
 }
 
 
+def _has_default(field: dict[str, Any]) -> bool:
+    """Whether fastavro writes something for the field when a record lacks it (its
+    writer's own test: a declared default, or "null" in the field's type)."""
+    return "default" in field or "null" in field["type"]
+
+
 class _Compiler:
     def __init__(self, namespace: str) -> None:
         self._namespace = namespace
@@ -206,6 +214,10 @@ class _Compiler:
 
     def _record(self, schema: dict[str, Any], namespace: str) -> Writer:
         fields: list[tuple[str, Writer]] = []
+        # What fastavro writes for an absent field: its default, else null where its type
+        # allows null; a field without either makes fastavro refuse the record.
+        defaults = {f["name"]: f.get("default") for f in schema["fields"] if _has_default(f)}
+        position = {f["name"]: index for index, f in enumerate(schema["fields"])}
 
         def write_record(out: bytearray, value: Any) -> None:
             # "-type" names the record a value is meant for: fastavro checks it.
@@ -214,8 +226,21 @@ class _Compiler:
             try:
                 for name, write in fields:
                     write(out, value[name])
-            except KeyError:  # an absent field: fastavro writes its default or refuses
-                raise NotHandled from None
+            except KeyError as absent:  # an absent field: the rest with defaults
+                first = position.get(absent.args[0]) if absent.args else None
+                if first is None:  # not `value[name]`'s: no writer raises one
+                    raise NotHandled from None
+                write_from(out, value, first)
+
+        def write_from(out: bytearray, value: dict[str, Any], first: int) -> None:
+            """The fields from `first` on, the absent ones with their defaults."""
+            for name, write in fields[first:]:
+                if name in value:
+                    write(out, value[name])
+                elif name in defaults:  # a default this path cannot write raises NotHandled
+                    write(out, defaults[name])
+                else:
+                    raise NotHandled  # fastavro's error: no value and no default
 
         space = self._define(schema, namespace, write_record)
         fields.extend((f["name"], self.writer(f["type"], space)) for f in schema["fields"])
