@@ -10,6 +10,11 @@ librdkafka's threads (named `rdk:...`: producing, and the bare runtime's fetchin
 and the rest, Python's own threads (the bare runtime's poll thread, store reads, ONNX
 runs, delivery reports) plus threads that ended in the window. A sampling profile sees
 only Python frames; this shows where the process's CPU time went, C included.
+
+The machine as a whole is read too (`/proc/stat`): the cores it kept busy, whatever ran,
+and the cores its host took (steal: a virtual machine's CPU ready to run while the host
+ran something else). On shared machines a step that misses its budget while the host
+took a share of a core is the machine's noise, not the system's.
 """
 
 from __future__ import annotations
@@ -51,6 +56,21 @@ def thread_cpu_seconds(pid: int) -> dict[str, float] | None:
             "threads": max(0.0, total - loop - librdkafka)}  # fmt: skip
 
 
+def machine_seconds() -> dict[str, float] | None:
+    """CPU seconds of the whole machine so far, summed over its CPUs: `busy` (user, nice,
+    system, interrupts) and `stolen` (steal); None without `/proc/stat`."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            first = stat.readline().split()  # "cpu user nice system idle iowait irq softirq steal"
+    except OSError:
+        return None
+    if first[:1] != [b"cpu"] or len(first) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, first[1:9])
+    return {"busy": (user + nice + system + irq + softirq) / _TICKS_PER_S,
+            "stolen": steal / _TICKS_PER_S}  # fmt: skip
+
+
 def _stat(path: str) -> tuple[bytes, float] | None:
     """The command name and user plus system CPU seconds in a `stat` file."""
     try:
@@ -68,6 +88,8 @@ def _stat(path: str) -> tuple[bytes, float] | None:
 class CpuSnapshot:
     wall_s: float
     seconds: dict[str, float]
+    machine: dict[str, float] | None = None
+    """`machine_seconds()` at the same moment."""
 
 
 class CpuMeter:
@@ -89,7 +111,17 @@ class CpuMeter:
             value = cpu_seconds(pid)
             if value is not None:
                 seconds[name] = value
-        return CpuSnapshot(time.monotonic(), seconds)
+        return CpuSnapshot(time.monotonic(), seconds, machine_seconds())
+
+    @staticmethod
+    def machine_cores(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
+        """Mean cores the machine kept busy (`busy`) and its host took (`stolen`) between
+        the snapshots; empty where they could not be read."""
+        if before.machine is None or after.machine is None:
+            return {}
+        wall_s = max(after.wall_s - before.wall_s, 1e-9)
+        return {name: (after.machine[name] - before.machine[name]) / wall_s
+                for name in before.machine}  # fmt: skip
 
     @staticmethod
     def cores(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:

@@ -197,6 +197,9 @@ class StepResult:
     """CPU µs per event sent in the step (warm-up, window and drain), per process."""
     cpu_cores: dict[str, float] = field(default_factory=dict)
     """Mean cores each process used over the step."""
+    machine_cores: dict[str, float] = field(default_factory=dict)
+    """Mean cores the whole machine kept busy (`busy`) and its host took (`stolen`)
+    over the step (`CpuMeter.machine_cores`)."""
     phase: str = "sweep"
     """sweep, refine (bisecting near the limit), or check (a fixed rate after the sweep)."""
 
@@ -838,6 +841,7 @@ class Bench:
             profile=profile,
             cpu_us_per_event=CpuMeter.per_event_us(cpu_before, cpu_after, report.sent),
             cpu_cores=CpuMeter.cores(cpu_before, cpu_after),
+            machine_cores=CpuMeter.machine_cores(cpu_before, cpu_after),
         )
 
     def _topic(self, name: str, partitions: int, exact: bool = False) -> str:

@@ -17,6 +17,11 @@ PACKAGES = ("headrace", "faust-streaming", "aiokafka", "confluent-kafka", "fasta
             "onnxruntime-gpu", "feast", "numpy")  # fmt: skip
 
 
+# Cores taken by the host during a step above which its budget miss may be the machine's:
+# a twentieth of a core is a stall of tens of milliseconds every second on a busy core.
+NOTABLE_STEAL_CORES = 0.05
+
+
 def sustainable(steps: list[StepResult], system: str) -> float:
     """Highest offered rate the system answered (99% in full) with p99 within budget."""
     passing = [s.offered_per_s for s in steps if s.system == system and s.within_budget]
@@ -366,7 +371,7 @@ def _markdown(doc: dict) -> str:
         return "\n".join(lines + scale.markdown(doc) + _steps_markdown(doc)) + "\n"
     if doc["swap"]:
         return "\n".join(lines + swap.markdown(doc["swap"]) + _steps_markdown(doc)) + "\n"
-    lines += ["## Verdicts", "", *_target_lines(v, doc["systems"])]
+    lines += ["## Verdicts", "", *_target_lines(v, doc["systems"]), *_steal_line(doc["steps"])]
     if v["throughput_ratio_vs_naive"]:
         lines.append(
             f"- headrace (Faust) over the naive per-event loop: "
@@ -422,12 +427,14 @@ def _steps_markdown(doc: dict) -> list[str]:
         "CPU columns: µs of CPU per event sent in the step (warm-up, window and drain), "
         "per process; the load generator includes the reading consumers. The worker's "
         "is split by thread (one worker only): its event loop (main thread), "
-        "librdkafka's threads, and its other threads.",
+        "librdkafka's threads, and its other threads. Machine: mean cores the whole "
+        "machine kept busy over the step, and cores its host took (steal).",
         "",
         "| system | phase | offered/s | achieved/s | answered | unanswered | p50 ms "
         "| p90 ms | p99 ms | p99.9 ms | max ms | statuses | within budget "
-        "| worker µs/ev | loop / librdkafka / threads | broker µs/ev | loadgen µs/ev |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| worker µs/ev | loop / librdkafka / threads | broker µs/ev | loadgen µs/ev "
+        "| machine busy / stolen cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in doc["steps"]:
         lat = s["latency"]
@@ -445,9 +452,32 @@ def _steps_markdown(doc: dict) -> list[str]:
             f"{lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | {lat['p99_ms']:.1f} | "
             f"{lat['p999_ms']:.1f} | {lat['max_ms']:.1f} | {s['statuses']} | "
             f"{'yes' if s['within_budget'] else 'no'} | {us('worker')} | {threads} | "
-            f"{us('broker')} | {us('load generator')} |"
+            f"{us('broker')} | {us('load generator')} | {_machine_cell(s)} |"
         )
     return lines
+
+
+def _machine_cell(step: dict) -> str:
+    cores = step.get("machine_cores") or {}
+    if not cores:
+        return "-"
+    return f"{cores['busy']:.2f} / {cores['stolen']:.2f}"
+
+
+def _steal_line(steps: list[dict]) -> list[str]:
+    """How much the host took from the machine, and which budget misses it may explain."""
+    measured = [s for s in steps if s.get("machine_cores")]
+    if not measured:
+        return []
+    most = max(measured, key=lambda s: s["machine_cores"]["stolen"])
+    missed = [s for s in measured if not s["within_budget"] and not s["overloaded"]]
+    noisy = [s for s in missed if s["machine_cores"]["stolen"] >= NOTABLE_STEAL_CORES]
+    return [
+        f"- Host steal: up to {most['machine_cores']['stolen']:.2f} cores in one step "
+        f"({most['system']} at {most['offered_per_s']:,.0f}/s); {len(noisy)} of the "
+        f"{len(missed)} steps over budget but not overloaded ran while the host took "
+        f"{NOTABLE_STEAL_CORES} cores or more (a miss there may be the machine's)."
+    ]
 
 
 def _mlserver_note(settings: dict) -> str:

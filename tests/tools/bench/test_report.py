@@ -50,6 +50,26 @@ def _step(system: str, rate: float, latency_us: list[int], cpu_us: float) -> Ste
     )  # fmt: skip
 
 
+def test_the_report_shows_what_the_host_took_and_which_misses_it_may_explain(tmp_path):
+    def step(rate: float, latency_ms: int, stolen: float) -> StepResult:
+        made = _step("bare", rate, [latency_ms * 1_000] * 2, 100.0)
+        made.within_budget = latency_ms <= 50
+        made.machine_cores = {"busy": 1.9, "stolen": stolen}
+        return made
+
+    steps = [step(1_000.0, 10, 0.01), step(2_000.0, 80, 0.20), step(3_000.0, 90, 0.0)]
+    results = {"settings": BenchSettings().model_dump(mode="json"), "steps": steps,
+               "systems": {"bare": {"sustainable_per_s": 1_000.0}}, "onnx": [],
+               "elapsed_s": 1.0}  # fmt: skip
+    text = write_reports(results, tmp_path)["markdown"].read_text()
+    assert (
+        "- Host steal: up to 0.20 cores in one step (bare at 2,000/s); 1 of the 2 steps over "
+        "budget but not overloaded ran while the host took 0.05 cores or more" in text
+    )
+    row = next(line for line in text.splitlines() if line.startswith("| bare | sweep | 2000"))
+    assert row.rstrip().endswith("| 1.90 / 0.20 |")
+
+
 def test_the_verdicts_compare_headrace_with_mlserver_and_report_its_figures(tmp_path):
     steps = [
         _step("kafka", 100.0, [2_000, 3_000], 0.0),

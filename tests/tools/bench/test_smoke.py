@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -10,6 +11,8 @@ from tools.bench.harness import Bench, BenchSettings
 from tools.bench.report import write_reports
 
 pytestmark = pytest.mark.integration
+
+CORES = os.cpu_count() or 1
 
 
 def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_path):
@@ -43,6 +46,9 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
         assert latency["count"] == step["answered"]
         ordered = [latency[k] for k in ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms")]
         assert ordered == sorted(ordered)
+        # The machine was busy (a broker, a load generator), never more than all its cores.
+        machine = step["machine_cores"]
+        assert machine["busy"] > 0 and machine["busy"] + machine["stolen"] <= CORES * 1.05
     headrace_steps = [s for s in report["steps"] if s["system"] in ("headrace", "bare")]
     assert all(s["profile"]["events"] > 0 for s in headrace_steps)
     assert report["onnx"][0]["batch_size"] == 1

@@ -24,7 +24,11 @@ def test_the_cpu_meter_sees_this_process_burn_cpu():
     after = meter.snapshot()
     assert set(before.seconds) == {"me"}
     assert CpuMeter.per_event_us(before, after, 1000)["me"] >= 150  # 0.2 s over 1,000 events
-    assert 0 < CpuMeter.cores(before, after)["me"] <= os.cpu_count()
+    mine = CpuMeter.cores(before, after)["me"]
+    assert 0 < mine <= os.cpu_count()
+    machine = CpuMeter.machine_cores(before, after)  # the whole machine: this process and more
+    assert machine["busy"] >= 0.8 * mine  # clock ticks of 10 ms over 0.2 s
+    assert machine["busy"] + machine["stolen"] <= os.cpu_count() * 1.05
     assert cpu_seconds(2**22 + 12345) is None  # no such process
 
 
