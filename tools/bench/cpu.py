@@ -13,8 +13,8 @@ only Python frames; this shows where the process's CPU time went, C included.
 
 The machine as a whole is read too (`/proc/stat`): the cores it kept busy, whatever ran,
 and the cores its host took (steal: a virtual machine's CPU ready to run while the host
-ran something else). On shared machines a step that misses its budget while the host
-took a share of a core is the machine's noise, not the system's.
+ran something else). On a shared machine a step that misses its budget while the host
+took a share of a core may be the machine's noise rather than the system's.
 """
 
 from __future__ import annotations
