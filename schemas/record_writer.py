@@ -214,8 +214,7 @@ class _Compiler:
 
     def _record(self, schema: dict[str, Any], namespace: str) -> Writer:
         fields: list[tuple[str, Writer]] = []
-        # What fastavro writes for an absent field: its default, else null where its type
-        # allows null; a field without either makes fastavro refuse the record.
+        # An absent field's value: its default, else null (fastavro's `default` is None).
         defaults = {f["name"]: f.get("default") for f in schema["fields"] if _has_default(f)}
         position = {f["name"]: index for index, f in enumerate(schema["fields"])}
 

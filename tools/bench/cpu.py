@@ -119,27 +119,23 @@ class CpuMeter:
         the snapshots; empty where they could not be read."""
         if before.machine is None or after.machine is None:
             return {}
-        wall_s = max(after.wall_s - before.wall_s, 1e-9)
-        return {name: (after.machine[name] - before.machine[name]) / wall_s
-                for name in before.machine}  # fmt: skip
+        return _spent(before.machine, after.machine, after.wall_s - before.wall_s)
 
     @staticmethod
     def cores(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
         """Mean cores each process used between the snapshots."""
-        wall_s = max(after.wall_s - before.wall_s, 1e-9)
-        return {
-            name: (after.seconds[name] - before.seconds[name]) / wall_s
-            for name in before.seconds
-            if name in after.seconds
-        }
+        return _spent(before.seconds, after.seconds, after.wall_s - before.wall_s)
 
     @staticmethod
     def per_event_us(before: CpuSnapshot, after: CpuSnapshot, events: int) -> dict[str, float]:
         """CPU µs per event each process spent between the snapshots."""
         if events <= 0:
             return {}
-        return {
-            name: (after.seconds[name] - before.seconds[name]) / events * 1e6
-            for name in before.seconds
-            if name in after.seconds
-        }
+        return _spent(before.seconds, after.seconds, events / 1e6)
+
+
+def _spent(before: dict[str, float], after: dict[str, float], per: float) -> dict[str, float]:
+    """CPU seconds spent by each name read both times, divided by `per` (wall seconds:
+    cores; events in millions: µs per event)."""
+    per = max(per, 1e-9)
+    return {name: (after[name] - before[name]) / per for name in before if name in after}
