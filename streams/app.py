@@ -488,4 +488,5 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
             log_level,
             answered_before_check(config, catalogue),
             freeze,
+            faust.Transactions(transactions, exit_on_fatal) if transactions is not None else None,
         )

@@ -277,7 +277,7 @@ class HeadraceConfig(_Frozen):
     """`at_least_once`: a batch's offsets are committed once its outcomes are written
     (a crash can make the next worker answer the uncommitted ones again);
     `exactly_once`: a batch's outcomes and its offsets are committed in one Kafka
-    transaction (bare runtime only; consumers read with isolation.level=read_committed)."""
+    transaction (consumers read with isolation.level=read_committed)."""
     broker: BrokerConfig = BrokerConfig()
     registry: RegistryConfig | None = None
     """Without a registry, schema ids resolve from the local catalogue in `schemas/`."""
@@ -294,16 +294,6 @@ class HeadraceConfig(_Frozen):
     its group within this; past it, it exits (status 70) and the next owner answers
     what was left. Keep Kubernetes' terminationGracePeriodSeconds above it."""
     pipelines: list[PipelineConfig] = Field(min_length=1)
-
-    @model_validator(mode="after")
-    def _exactly_once_runtime(self) -> HeadraceConfig:
-        if self.delivery == "exactly_once" and self.runtime != "bare":
-            raise ValueError(
-                f"delivery: exactly_once needs runtime: bare, got runtime: {self.runtime} "
-                "(Faust commits offsets itself, outside any transaction); hint: set "
-                "runtime: bare"
-            )
-        return self
 
     @field_validator("pipelines")
     @classmethod

@@ -1,7 +1,7 @@
-"""Exactly-once delivery (`delivery: exactly_once`, bare runtime): a batch's outcome
+"""Exactly-once delivery (`delivery: exactly_once`, either runtime): a batch's outcome
 records and its input offsets are committed in one Kafka transaction, so a consumer
 reading with `isolation.level=read_committed` sees every input answered once, crashes
-included.
+included. What the Faust runtime adds for it: `streams/consumers/faust_transactions.py`.
 
 The model is KIP-447's. One transactional producer per worker writes every pipeline's
 batches: begin, produce the records, send the input offsets (the next offset of each
@@ -24,8 +24,9 @@ Fencing. The group coordinator takes offsets only from a member of the group's c
 generation: a worker that lost its partitions (frozen past its session, cut off from
 the group) cannot commit answers to inputs another worker owns now; its transaction
 aborts. The new owner reads the committed offsets with `require_stable` (librdkafka
-does under read_committed, its default), so it waits for a transaction still open on
-its partitions to end instead of reading past it. The transactional id is
+does under read_committed, its default; the Faust runtime reads them with librdkafka
+too), so it waits for a transaction still open on its partitions to end instead of
+reading past it. The transactional id is
 `<app_id>.<broker.instance_id>` with static membership: a restarted worker aborts its
 predecessor's open transaction at once and fences it, should it still be alive (it
 ends, exit 70). Without an instance id it is unique per process, and a crashed worker's
@@ -145,6 +146,18 @@ def is_member(metadata: bytes) -> bool:
     group_end = metadata.find(b"\0", at + 4)
     member_end = metadata.find(b"\0", group_end + 1)
     return generation >= 0 and member_end > group_end + 1
+
+
+def group_metadata(
+    group_id: str, generation: int, member_id: str, instance_id: str | None
+) -> bytes:
+    """A member's group metadata in librdkafka's form (see `is_member`; then a byte
+    saying whether the instance id is null and, if not, the NUL-terminated instance id),
+    for a consumer librdkafka cannot serialize itself (aiokafka's, on the Faust runtime)."""
+    instance = b"\1" if instance_id is None else b"\0" + instance_id.encode() + b"\0"
+    generation_bytes = generation.to_bytes(4, sys.byteorder, signed=True)
+    return b"".join((_MAGIC, generation_bytes, group_id.encode() + b"\0",
+                     member_id.encode() + b"\0", instance))  # fmt: skip
 
 
 class UnfinishedRevoke(HeadraceError):

@@ -779,7 +779,7 @@ def demo(
     type=click.Choice(["at_least_once", "exactly_once"]),
     default="at_least_once",
     show_default=True,
-    help="The workers' delivery; exactly_once runs on the bare runtime only (Faust skipped).",
+    help="The workers' delivery: exactly_once commits each batch and its offsets in a transaction.",
 )
 @click.option(
     "--tracing",

@@ -20,6 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import faust
 from faust.types import TP
@@ -27,6 +30,7 @@ from faust.types import TP
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.consumers.faust_feed import FeedApp
+from streams.consumers.faust_transactions import StableOffsets, aiokafka_group_metadata
 from streams.drain import DrainDeadline
 from streams.freeze import FreezeWatch
 from streams.health import Health
@@ -35,6 +39,7 @@ from streams.logs import faust_json_logging
 from streams.records import InputRecord
 from streams.replay import AnsweredBefore
 from streams.runner import MakeRunner, PipelineRunner
+from streams.transact import TransactionalPublisher, UnfinishedRevoke
 
 
 def serve(
@@ -44,13 +49,26 @@ def serve(
     log_level: str,
     answered_before: AnsweredBefore | None = None,
     freeze: FreezeWatch | None = None,
+    transactions: Transactions | None = None,
 ) -> None:
     """Run a Faust worker until SIGTERM or SIGINT (Faust handles both, stopping within
-    `drain_timeout_s`)."""
+    `drain_timeout_s`). With `transactions` (exactly-once delivery), each batch's
+    offsets are committed in its transaction (`faust_transactions`)."""
     # Faust insists on a data directory, which its in-memory tables leave empty but for a
     # version stamp: one per worker start, removed when it stops (kept only by a kill -9).
     with tempfile.TemporaryDirectory(prefix="headrace-faust-", ignore_cleanup_errors=True) as data:
-        _serve(config, make_runner, health, log_level, answered_before, freeze, data)
+        _serve(config, make_runner, health, log_level, answered_before, freeze, transactions,
+               data)  # fmt: skip
+
+
+@dataclass
+class Transactions:
+    """What exactly-once delivery needs on the Faust runtime: the transactional
+    publisher (which reads the consumer's group metadata) and what ends the worker
+    when a rebalance takes partitions whose records are not committed yet."""
+
+    publisher: TransactionalPublisher
+    on_fatal: Callable[[BaseException, list[InputRecord]], Any]
 
 
 def _serve(
@@ -60,6 +78,7 @@ def _serve(
     log_level: str,
     answered_before: AnsweredBefore | None,
     freeze: FreezeWatch | None,
+    transactions: Transactions | None,
     datadir: str,
 ) -> None:
     app = FeedApp(
@@ -85,7 +104,11 @@ def _serve(
         # past the in-flight bound (as the confluent runtime's chunk does).
         broker_max_poll_records=max(p.max_batch_size for p in config.pipelines),
     )
-    app.on_partitions_revoked.connect(_commit_before_rebalance)
+    stable_offsets = None
+    if transactions is None:
+        app.on_partitions_revoked.connect(_commit_before_rebalance)
+    else:
+        stable_offsets = _commit_in_transactions(app, config, transactions)
 
     progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
     checks = _AssignmentChecks(answered_before) if answered_before is not None else None
@@ -127,6 +150,9 @@ def _serve(
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
+    finally:
+        if stable_offsets is not None:
+            stable_offsets.close()
     if worker.deadline is not None:
         worker.deadline.met()
 
@@ -151,6 +177,38 @@ async def _commit_before_rebalance(app: FeedApp, revoked, **_kwargs) -> None:
     with contextlib.suppress(TimeoutError):
         await app.settle(timeout_s=app.conf.broker_session_timeout / 2)
     await app.consumer.commit()
+
+
+def _commit_in_transactions(
+    app: FeedApp, config: HeadraceConfig, transactions: Transactions
+) -> StableOffsets:
+    """Exactly-once: offsets go in the batches' transactions, sent with aiokafka's group
+    metadata; Faust seeks to stable offsets and commits nothing itself; a rebalance
+    waits for what was taken to be committed, or ends the worker."""
+    stable_offsets = StableOffsets(config.app_id, config.broker)
+    app.stable_offsets = stable_offsets
+
+    async def read_group_metadata() -> bytes:
+        return aiokafka_group_metadata(app.consumer._thread._ensure_consumer())
+
+    transactions.publisher.attach(read_group_metadata)
+
+    def unfinished(left: int, partitions: Sequence[tuple[str, int]]) -> None:
+        transactions.on_fatal(UnfinishedRevoke(left, partitions), [])
+
+    app.on_unfinished = unfinished
+
+    @app.on_partitions_revoked.connect
+    async def finish_before_rebalance(_app, _revoked, **_kwargs) -> None:
+        # After Faust's wait for what the agents took (`BulkConsumer.wait_empty`): the
+        # chunks still queued for them are answered and committed too, or the worker ends.
+        with contextlib.suppress(TimeoutError):
+            await app.settle(timeout_s=app.conf.broker_session_timeout / 2)
+        left = app.unfinished()
+        if left:
+            unfinished(len(left), sorted({(m.topic, m.partition) for m in left}))
+
+    return stable_offsets
 
 
 def _add_agent(

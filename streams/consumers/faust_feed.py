@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import faust
@@ -38,6 +38,7 @@ from mode import Service
 from mode.utils.futures import maybe_async
 
 from streams.consumers import aiokafka_closed
+from streams.consumers.faust_transactions import StableOffsets
 
 # Chunks waiting for an agent: one being fetched while one is handed over.
 FEED_CHUNKS = 2
@@ -139,6 +140,22 @@ class _LoopConsumer(faust_aiokafka.AIOKafkaConsumerThread):
             return False
         return commit.result()
 
+    async def seek_to_committed(self) -> Mapping[TP, int | None]:
+        """Faust's seek after an assignment (and whenever it must go back): with
+        exactly-once to the offsets no open transaction holds any more
+        (`faust_transactions`), read on a thread; otherwise aiokafka's."""
+        stable_offsets = self.app.stable_offsets
+        if stable_offsets is None:
+            return await super().seek_to_committed()
+        consumer = self._ensure_consumer()
+        assigned = {(tp.topic, tp.partition): tp for tp in consumer.assignment()}
+        offsets = await asyncio.to_thread(stable_offsets, assigned)
+        for where, offset in offsets.items():
+            if offset >= 0:  # none committed: where auto_offset_reset put it
+                consumer.seek(assigned[where], offset)
+        return {assigned[where]: offset if offset >= 0 else None
+                for where, offset in offsets.items()}  # fmt: skip
+
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
         # Read by aiokafka when the consumer starts (its fetcher's first settings).
@@ -216,6 +233,14 @@ class BulkConsumer(faust_aiokafka.Consumer):
             pending.clear()  # before the commit: an ack during it asks for the next one
             await self.commit()
 
+    async def commit(self, *args: Any, **kwargs: Any) -> bool:
+        """Faust's commit of the acknowledged offsets; none with exactly-once, where
+        each batch's offsets are committed in its transaction (one of Faust's, beside
+        them, could move an offset back)."""
+        if self.app.stable_offsets is not None:
+            return False
+        return await super().commit(*args, **kwargs)
+
     def _new_consumer_thread(self) -> _LoopConsumer:
         return _LoopConsumer(self, loop=self.loop, beacon=self.beacon)
 
@@ -289,7 +314,18 @@ class BulkConsumer(faust_aiokafka.Consumer):
         for give_up in self.app.holders:
             self._unacked_messages.difference_update(await give_up())
         self._to_pause = frozenset()  # nothing is held now; Faust resumes what it paused
-        await super().wait_empty()
+        unfinished = self.app.on_unfinished
+        if unfinished is None:
+            return await super().wait_empty()
+        # Exactly-once: an ack is a committed transaction, which a worker whose group
+        # moved on never makes, and Faust's wait has no end (nor can it be cancelled).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.app.conf.broker_session_timeout / 2
+        while self._unacked_messages and not self.should_stop:
+            if loop.time() > deadline:
+                unacked = {(m.topic, m.partition) for m in self._unacked_messages}
+                return unfinished(len(self._unacked_messages), sorted(unacked))
+            await asyncio.sleep(0.005)  # acks come as transactions commit
 
     async def _commit_if_due(self) -> None:
         every = self._commit_every
@@ -300,6 +336,9 @@ class BulkConsumer(faust_aiokafka.Consumer):
 
 class BulkTransport(faust_aiokafka.Transport):
     Consumer = BulkConsumer
+
+
+Unfinished = Callable[[int, Sequence[tuple[str, int]]], None]
 
 
 class FeedApp(faust.App):
@@ -316,6 +355,12 @@ class FeedApp(faust.App):
         """(fetch_max_wait_ms, fetch_min_bytes) of a busy fetch (the broker config's)."""
         self.fetch_max_bytes = fetch_max_bytes
         """aiokafka's fetch_max_bytes: what one fetch asks in all."""
+        self.stable_offsets: StableOffsets | None = None
+        """With exactly-once delivery: what reads the offsets Faust seeks to after an
+        assignment; Faust then commits nothing itself (`faust_transactions`)."""
+        self.on_unfinished: Unfinished | None = None
+        """With exactly-once delivery: what ends the worker when records it took are not
+        committed by the time their partitions must go (count, partitions)."""
 
     def add_feed(self, topic: faust.types.TopicT) -> None:
         """Deliver `topic`'s records to `take` instead of a stream; subscribes to it."""
@@ -346,6 +391,12 @@ class FeedApp(faust.App):
         await asyncio.wait_for(
             self.consumer.wait_empty(), max(0.0, deadline - asyncio.get_running_loop().time())
         )
+
+    def unfinished(self) -> list[Message]:
+        """Records fetched and not yet acknowledged: queued for an agent, or taken."""
+        queued = [message for feed in self.feeds.values() for chunk in feed._queue
+                  for message in chunk]  # fmt: skip
+        return queued + list(self.consumer._unacked_messages)
 
     def _new_transport(self) -> BulkTransport:
         return BulkTransport(self.conf.broker_consumer, self)

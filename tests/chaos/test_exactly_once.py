@@ -1,10 +1,12 @@
-"""`kill -9` mid-stream at 300 events/s, then a restart, on the bare runtime: with
+"""`kill -9` mid-stream at 300 events/s, then a restart: with
 `delivery: exactly_once` a read_committed reader of the whole output and dead-letter
 topics sees every input answered once; with at_least_once every input is answered and
 the repeats all lie in the window the group had not committed when the worker died."""
 
 from __future__ import annotations
 
+import signal
+import time
 from contextlib import ExitStack
 
 import pytest
@@ -16,6 +18,7 @@ from tests.helpers import wait_until
 from tests.streams.test_worker import collector_for
 from tools.audit import audit, format_report
 from tools.collector import OutcomeCollector
+from tools.deploy import group_spread, stop_worker
 
 pytestmark = pytest.mark.integration
 
@@ -79,10 +82,11 @@ def kill_mid_stream_and_restart(
     return committed
 
 
+@pytest.mark.parametrize("runtime", ["bare", "faust"])
 def test_exactly_once_a_read_committed_reader_sees_each_input_once_after_kill_9(
-    chaos_deploy, kafka, sample_assets
+    chaos_deploy, kafka, sample_assets, runtime
 ):
-    deployment = chaos_deploy("bare", delivery="exactly_once", instance_id="worker-1")
+    deployment = chaos_deploy(runtime, delivery="exactly_once", instance_id="worker-1")
     spec = deployment.spec
     kill_mid_stream_and_restart(kafka, deployment, sample_assets.world)
     inputs = input_offsets(kafka.bootstrap_servers, spec.input_topic)
@@ -92,7 +96,7 @@ def test_exactly_once_a_read_committed_reader_sees_each_input_once_after_kill_9(
     missing = inputs - set(counts)
     repeated = {where: n for where, n in counts.items() if n > 1}
     aborted = sum(written.values()) - sum(counts.values())
-    print(f"exactly_once: {len(inputs)} inputs, {len(missing)} missing, {len(repeated)} "
+    print(f"{runtime} exactly_once: {len(inputs)} inputs, {len(missing)} missing, {len(repeated)} "
           f"repeated; {aborted} outcomes of aborted transactions (read_uncommitted)")  # fmt: skip
     assert not missing, f"{len(missing)} inputs without an answer"
     assert not repeated, f"{len(repeated)} inputs answered more than once"
@@ -119,3 +123,51 @@ def test_at_least_once_repeats_only_what_was_not_committed_at_kill_9(
     # Answered again only past what the group had committed when the worker died.
     assert all(offset >= committed[partition] for partition, offset in repeated), repeated
     assert max(repeated.values(), default=1) <= 2
+
+
+@pytest.mark.parametrize("runtime", ["bare", "faust"])
+def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
+    chaos_deploy, kafka, sample_assets, runtime
+):
+    """Two workers share the input; one freezes (SIGSTOP) past its session with
+    transactions open or about to be, and its partitions move to the other. Whatever
+    the frozen one commits when it runs again (a transaction whose offsets it sent in
+    time) the new owner must not answer again, and what it can no longer commit (its
+    generation moved on) it must not write: a read_committed reader sees each input
+    once."""
+    deployment = chaos_deploy(runtime, delivery="exactly_once")
+    bootstrap = kafka.bootstrap_servers
+    topic = deployment.spec.input_topic
+    frozen_s = deployment.config.broker.session_timeout_ms / 1000 + 4
+    reader = collector_for(deployment, isolation_level="read_committed")
+    try:
+        with deployment.worker():
+            zombie = deployment.start()
+            with steady_load(kafka, deployment, sample_assets.world, per_s=RATE_PER_S):
+                assert wait_until(
+                    lambda: len(group_spread(bootstrap, deployment.config.app_id)) == 2, 120
+                ), deployment.log_tail()
+                assert wait_until(lambda: answered(reader) > RATE_PER_S, 120), deployment.log_tail()
+                zombie.send_signal(signal.SIGSTOP)
+                time.sleep(frozen_s)  # the fault itself: frozen past the session timeout
+                zombie.send_signal(signal.SIGCONT)
+                now = answered(reader)
+                assert wait_until(lambda: answered(reader) > now + RATE_PER_S, 60), (
+                    deployment.log_tail()
+                )
+            assert wait_until(lambda: all_answered(reader, bootstrap, topic), 60), (
+                deployment.log_tail()
+            )
+            # It went on serving, or ended as it must when its partitions went before
+            # what it took from them was committed (exit 70).
+            assert stop_worker(zombie) in (0, 70), deployment.log_tail()
+    finally:
+        reader.stop()
+    inputs = input_offsets(bootstrap, topic)
+    counts = outcomes_per_input(read_outcomes(deployment, "read_committed"), topic)
+    missing = inputs - set(counts)
+    repeated = {where: n for where, n in counts.items() if n > 1}
+    print(f"{runtime} exactly_once, frozen {frozen_s:.0f} s: {len(inputs)} inputs, "
+          f"{len(missing)} missing, {len(repeated)} repeated")  # fmt: skip
+    assert not missing, f"{len(missing)} inputs without an answer"
+    assert not repeated, f"{len(repeated)} inputs answered more than once"

@@ -94,8 +94,6 @@ def test_the_fallback_model_path_resolves_like_the_model_path(tmp_path):
          "min (5) is above max (1)"),
         (lambda d: d["pipelines"][0]["model"].update(inputs=[{"name": "X", "dtype": "int8",
             "columns": ["amount"]}]), "pipelines.0.model.inputs.0.dtype", "'float32'"),
-        (lambda d: d.update(delivery="exactly_once"), "(top level)",
-         "delivery: exactly_once needs runtime: bare, got runtime: faust"),
         (lambda d: d.update(delivery="exactly-once"), "delivery",
          "'at_least_once' or 'exactly_once'"),
     ],
@@ -136,10 +134,11 @@ def test_config_is_frozen(tmp_path):
         config.pipelines[0].max_batch_size = 3
 
 
-def test_exactly_once_is_a_choice_of_the_bare_runtime(tmp_path):
-    config = load_config(write(tmp_path, {**valid(), "runtime": "bare"}))
+@pytest.mark.parametrize("runtime", ["bare", "faust"])
+def test_exactly_once_is_a_choice_of_either_runtime(tmp_path, runtime):
+    config = load_config(write(tmp_path, {**valid(), "runtime": runtime}))
     assert config.delivery == "at_least_once"
     config = load_config(
-        write(tmp_path, {**valid(), "runtime": "bare", "delivery": "exactly_once"})
+        write(tmp_path, {**valid(), "runtime": runtime, "delivery": "exactly_once"})
     )
     assert config.delivery == "exactly_once"

@@ -13,6 +13,8 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 from confluent_kafka import (
@@ -26,11 +28,12 @@ from confluent_kafka import (
 
 from infra.topics import delete_topics
 from streams.config import BrokerConfig
+from streams.consumers.faust_transactions import StableOffsets
 from streams.errors import TransactionFenced
 from streams.outgoing import Outgoing
 from streams.publish import topic_limits
 from streams.records import InputRecord, OutRecord
-from streams.transact import TransactionalPublisher, is_member, next_offsets
+from streams.transact import TransactionalPublisher, group_metadata, is_member, next_offsets
 from tests.chaos.conftest import create_topics
 
 pytestmark = pytest.mark.integration
@@ -299,6 +302,43 @@ def test_librdkafka_group_metadata_tells_a_member():
     generation = (3).to_bytes(4, sys.byteorder)
     assert is_member(b"CGMDv2:" + generation + b"g\0member-1\0\x01")
     assert not is_member(b"CGMDv2:" + generation + b"g\0\0\x01")
+
+
+@pytest.mark.parametrize("instance_id", [None, "worker-1"])
+def test_group_metadata_is_written_as_librdkafka_writes_it(instance_id):
+    settings = {"bootstrap.servers": "127.0.0.1:1", "group.id": "g"}
+    if instance_id is not None:
+        settings["group.instance.id"] = instance_id
+    outside = Consumer(settings)
+    try:
+        theirs = outside.consumer_group_metadata()
+    finally:
+        outside.close()
+    assert group_metadata("g", -1, "", instance_id) == theirs
+    assert is_member(group_metadata("g", 4, "member-1", instance_id))
+
+
+def test_stable_offsets_wait_for_the_transaction_that_holds_them(kafka, topics, member):
+    """What a new owner reads on the Faust runtime: not the offset from before a
+    transaction that still holds the partition's offsets, but what it commits."""
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers,
+                         "transactional.id": f"tx-{group}"})  # fmt: skip
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    held = [TopicPartition(topics["in"], 0, 5)]
+    producer.send_offsets_to_transaction(held, consumer.consumer_group_metadata(), 30)
+    reader = StableOffsets(group, BrokerConfig(bootstrap_servers=kafka.bootstrap_servers))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(reader, [(topics["in"], 0), (topics["in"], 1)])
+            with pytest.raises(FutureTimeout):  # the transaction is open: it waits
+                reading.result(timeout=1.0)
+            producer.commit_transaction(30)
+            assert reading.result(timeout=30) == {(topics["in"], 0): 5, (topics["in"], 1): -1}
+    finally:
+        reader.close()
 
 
 def test_the_offsets_of_a_batch_are_the_next_of_each_partition():

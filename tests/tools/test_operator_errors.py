@@ -89,17 +89,6 @@ def test_a_config_error_exits_2(tmp_path):
                           "after validation, not 0"]  # fmt: skip
 
 
-def test_exactly_once_on_the_faust_runtime_is_refused_at_start(tmp_path):
-    raw = sample_config("127.0.0.1:9092", tmp_path / "repo", tmp_path / "m.onnx",
-                        runtime="faust", delivery="exactly_once")  # fmt: skip
-    path = tmp_path / "headrace.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    done = headrace("worker", "-c", str(path), cwd=tmp_path)
-    message = assert_refused(done, EXIT_USAGE, "delivery: exactly_once needs runtime: bare")
-    assert "runtime: bare" in message.split("hint: ")[1]
-    assert done.lines == [message]
-
-
 # --- a broker that answers ------------------------------------------------------------
 
 

@@ -150,10 +150,10 @@ class BenchSettings(BaseModel):
     """Share of a worker's sustainable rate the capacity plan uses (the rest absorbs
     bursts, rebalances and a noisy neighbour)."""
     overload_model: Literal["heavy", "sample"] = "heavy"
-    delivery: Literal["at_least_once", "exactly_once"] = "at_least_once"
-    """The workers' delivery; exactly_once runs on the bare runtime only (the Faust
-    systems are skipped)."""
     """The overload scenario's model: `heavy` (see HEAVY_MODEL) or the sample MLP."""
+    delivery: Literal["at_least_once", "exactly_once"] = "at_least_once"
+    """The workers' delivery (`exactly_once`: each batch's outcomes and offsets in one
+    Kafka transaction, on both runtimes)."""
     tracing: bool = False
     """Workers trace at 100% sampling, every event its own sampled trace (a `traceparent`
     header), spans sent to a private in-memory Zipkin: what tracing costs."""
@@ -260,9 +260,6 @@ class Bench:
             if settings.scenario == "overload":
                 results["overload"] = {}
                 for runtime in settings.runtimes:
-                    if runtime == "faust" and settings.delivery == "exactly_once":
-                        self.echo("  faust: skipped: exactly_once needs runtime: bare")
-                        continue
                     capacity, steps = self._run_overload(runtime)
                     results["overload"][runtime] = capacity
                     results["steps"] += steps
@@ -296,9 +293,6 @@ class Bench:
                     results["steps"] += self._run_mlserver()
                 else:
                     runtime = "faust" if system == "headrace" else "bare"
-                    if runtime == "faust" and settings.delivery == "exactly_once":
-                        results["steps"] += self._skip(system, "exactly_once needs runtime: bare")
-                        continue
                     results["steps"] += self._run_worker(system, runtime)
             results["elapsed_s"] = time.time() - started
             return results

@@ -1,0 +1,104 @@
+"""Exactly-once on the Faust runtime: what the transactional publisher
+(`streams/transact.py`, librdkafka) needs from Faust's consumer (aiokafka).
+
+The model stays KIP-447's, as on the bare runtime: one transactional producer per
+worker, each transaction sending its input offsets with the group metadata of the
+consumer that read them. Three things differ, because aiokafka consumes:
+
+- **Group metadata.** librdkafka can only serialize the metadata of its own consumers.
+  `group_metadata` writes the same bytes from aiokafka's coordinator (group id,
+  generation, member id, instance id), so the group coordinator checks the generation
+  of every offset sent, and a worker that lost its partitions cannot commit answers to
+  them: its transaction aborts.
+- **Stable offsets.** A new owner must not read a partition's committed offset while a
+  transaction of its previous owner still holds offsets of it (the answers would come
+  twice once that transaction commits). librdkafka's offset fetch asks the broker to
+  wait for such transactions (`require_stable`); aiokafka's cannot. `StableOffsets`
+  reads them with a confluent-kafka consumer of the group that never joins it, and
+  Faust's seek to the committed offsets, which it makes after every assignment before
+  fetching resumes, seeks there (`faust_feed._LoopConsumer.seek_to_committed`).
+- **No commits of Faust's own.** Each batch's offsets are committed in its transaction;
+  a commit of Faust's, made beside them, could move an offset back.
+
+On a rebalance Faust waits for every record the agents took to be acknowledged, which
+here means committed in a transaction; records still unacknowledged when the partitions
+must go end the worker (exit 70, as on the bare runtime): committing them later could
+repeat the answers of their next owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from infra.kafka_clients import client_settings
+from schemas.errors import HeadraceError
+from streams.config import BrokerConfig
+from streams.transact import group_metadata
+
+# How long an assignment may wait for the transactions of the partitions' previous owner
+# to end: Kafka aborts one left open after `transact.TRANSACTION_TIMEOUT_MS` (15 s) plus
+# its abort scan (every 10 s by default). Below Faust's own limit on the seek (90 s).
+STABLE_WAIT_S = 60.0
+
+
+def aiokafka_group_metadata(consumer: Any) -> bytes:
+    """The group metadata of an aiokafka consumer as its coordinator knows it now
+    (generation -1 and no member id while it is not a member of a generation)."""
+    coordinator = consumer._coordinator
+    return group_metadata(
+        coordinator.group_id,
+        coordinator.generation,
+        coordinator.member_id,
+        coordinator._group_instance_id,
+    )
+
+
+class StableOffsets:
+    """The group's committed offsets, read once no transaction holds offsets of the
+    partitions asked (librdkafka's read_committed offset fetch). Blocks: call from a
+    thread. Safe to close twice."""
+
+    def __init__(self, group_id: str, broker: BrokerConfig) -> None:
+        settings = client_settings(
+            broker.bootstrap_servers, "stable-offsets", broker.connect_timeout_s
+        )
+        # Never subscribes: it asks the group's coordinator, it does not join the group.
+        self._consumer = Consumer(
+            {
+                **settings,
+                "group.id": group_id,
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+
+    def __call__(self, partitions: Iterable[tuple[str, int]]) -> Mapping[tuple[str, int], int]:
+        """(topic, partition) -> the committed offset, -1 where the group has none."""
+        wanted = [TopicPartition(topic, partition) for topic, partition in partitions]
+        if not wanted:
+            return {}
+        try:
+            committed = self._consumer.committed(wanted, STABLE_WAIT_S)
+        except KafkaException as exc:
+            raise UnstableOffsets(wanted, exc.args[0].str()) from exc
+        return {(tp.topic, tp.partition): max(tp.offset, -1) for tp in committed}
+
+    def close(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            consumer.close()
+
+
+class UnstableOffsets(HeadraceError):
+    """The committed offsets of newly assigned partitions could not be read stable."""
+
+    def __init__(self, partitions: list[TopicPartition], reason: str) -> None:
+        where = ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions)
+        super().__init__(
+            f"could not read the committed offsets of {where} within {STABLE_WAIT_S:.0f} s "
+            f"({reason}): a transaction of their previous owner may still be open; "
+            "hint: Kafka aborts it after transaction.timeout.ms"
+        )
