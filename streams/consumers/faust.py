@@ -104,11 +104,10 @@ def _serve(
         # past the in-flight bound (as the confluent runtime's chunk does).
         broker_max_poll_records=max(p.max_batch_size for p in config.pipelines),
     )
-    stable_offsets = None
     if transactions is None:
         app.on_partitions_revoked.connect(_commit_before_rebalance)
     else:
-        stable_offsets = _commit_in_transactions(app, config, transactions)
+        _commit_in_transactions(app, config, transactions)
 
     progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
     checks = _AssignmentChecks(answered_before) if answered_before is not None else None
@@ -150,9 +149,6 @@ def _serve(
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
-    finally:
-        if stable_offsets is not None:
-            stable_offsets.close()
     if worker.deadline is not None:
         worker.deadline.met()
 
@@ -181,12 +177,11 @@ async def _commit_before_rebalance(app: FeedApp, revoked, **_kwargs) -> None:
 
 def _commit_in_transactions(
     app: FeedApp, config: HeadraceConfig, transactions: Transactions
-) -> StableOffsets:
+) -> None:
     """Exactly-once: offsets go in the batches' transactions, sent with aiokafka's group
     metadata; Faust seeks to stable offsets and commits nothing itself; a rebalance
     waits for what was taken to be committed, or ends the worker."""
-    stable_offsets = StableOffsets(config.app_id, config.broker)
-    app.stable_offsets = stable_offsets
+    app.stable_offsets = StableOffsets(config.app_id, config.broker)
 
     async def read_group_metadata() -> bytes:
         return aiokafka_group_metadata(app.consumer._thread._ensure_consumer())
@@ -207,8 +202,6 @@ def _commit_in_transactions(
         left = app.unfinished()
         if left:
             unfinished(len(left), sorted({(m.topic, m.partition) for m in left}))
-
-    return stable_offsets
 
 
 def _add_agent(

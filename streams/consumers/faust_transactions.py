@@ -59,37 +59,31 @@ def aiokafka_group_metadata(consumer: Any) -> bytes:
 class StableOffsets:
     """The group's committed offsets, read once no transaction holds offsets of the
     partitions asked (librdkafka's read_committed offset fetch). Blocks: call from a
-    thread. Safe to close twice."""
+    thread. Each call has a client of its own, closed after it: assignments are rare,
+    and a client kept between them would queue its log lines for a poll that never comes."""
 
     def __init__(self, group_id: str, broker: BrokerConfig) -> None:
-        settings = client_settings(
-            broker.bootstrap_servers, "stable-offsets", broker.connect_timeout_s
-        )
-        # Never subscribes: it asks the group's coordinator, it does not join the group.
-        self._consumer = Consumer(
-            {
-                **settings,
-                "group.id": group_id,
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-            }
-        )
+        self._settings = {
+            **client_settings(broker.bootstrap_servers, "stable-offsets", broker.connect_timeout_s),
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
 
     def __call__(self, partitions: Iterable[tuple[str, int]]) -> Mapping[tuple[str, int], int]:
         """(topic, partition) -> the committed offset, -1 where the group has none."""
         wanted = [TopicPartition(topic, partition) for topic, partition in partitions]
         if not wanted:
             return {}
+        # Never subscribes: it asks the group's coordinator, it does not join the group.
+        consumer = Consumer(self._settings)
         try:
-            committed = self._consumer.committed(wanted, STABLE_WAIT_S)
+            committed = consumer.committed(wanted, STABLE_WAIT_S)
         except KafkaException as exc:
             raise UnstableOffsets(wanted, exc.args[0].str()) from exc
-        return {(tp.topic, tp.partition): max(tp.offset, -1) for tp in committed}
-
-    def close(self) -> None:
-        consumer, self._consumer = self._consumer, None
-        if consumer is not None:
+        finally:
             consumer.close()
+        return {(tp.topic, tp.partition): max(tp.offset, -1) for tp in committed}
 
 
 class UnstableOffsets(HeadraceError):

@@ -330,15 +330,12 @@ def test_stable_offsets_wait_for_the_transaction_that_holds_them(kafka, topics, 
     held = [TopicPartition(topics["in"], 0, 5)]
     producer.send_offsets_to_transaction(held, consumer.consumer_group_metadata(), 30)
     reader = StableOffsets(group, BrokerConfig(bootstrap_servers=kafka.bootstrap_servers))
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            reading = pool.submit(reader, [(topics["in"], 0), (topics["in"], 1)])
-            with pytest.raises(FutureTimeout):  # the transaction is open: it waits
-                reading.result(timeout=1.0)
-            producer.commit_transaction(30)
-            assert reading.result(timeout=30) == {(topics["in"], 0): 5, (topics["in"], 1): -1}
-    finally:
-        reader.close()
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(reader, [(topics["in"], 0), (topics["in"], 1)])
+        with pytest.raises(FutureTimeout):  # the transaction is open: it waits
+            reading.result(timeout=1.0)
+        producer.commit_transaction(30)
+        assert reading.result(timeout=30) == {(topics["in"], 0): 5, (topics["in"], 1): -1}
 
 
 def test_the_offsets_of_a_batch_are_the_next_of_each_partition():
