@@ -83,13 +83,16 @@ def answered(collector) -> int:
     return len(collector.snapshot().predictions)
 
 
-@pytest.mark.parametrize("runtime", ["faust", "bare"])
+@pytest.mark.parametrize(
+    ("runtime", "delivery"),
+    [("faust", "at_least_once"), ("bare", "at_least_once"), ("faust", "exactly_once")],
+)
 def test_a_member_that_leaves_and_rejoins_under_load_repeats_nothing(
-    chaos_deploy, kafka, sample_assets, runtime
+    chaos_deploy, kafka, sample_assets, runtime, delivery
 ):
-    deployment = chaos_deploy(runtime)
+    deployment = chaos_deploy(runtime, delivery=delivery)
     topic = deployment.spec.input_topic
-    collector = collector_for(deployment)
+    collector = collector_for(deployment, isolation_level="read_committed")
     group = deployment.config.app_id
     try:
         with deployment.worker():
