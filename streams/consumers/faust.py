@@ -12,7 +12,8 @@ commits only on its timer, and then seeks even the partitions this worker keeps 
 their committed offsets: whatever was answered since the last commit was answered
 again; and chunks fetched but not yet taken by an agent were answered after that
 commit. So the worker lets its agents finish every fetched chunk, then commits, before
-the partitions move (`_commit_before_rebalance`).
+the partitions move (`_commit_before_rebalance`). With exactly-once delivery the
+offsets go in the batches' transactions instead (`faust_transactions.py`).
 """
 
 from __future__ import annotations

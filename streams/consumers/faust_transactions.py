@@ -6,7 +6,7 @@ worker, each transaction sending its input offsets with the group metadata of th
 consumer that read them. Three things differ, because aiokafka consumes:
 
 - **Group metadata.** librdkafka can only serialize the metadata of its own consumers.
-  `group_metadata` writes the same bytes from aiokafka's coordinator (group id,
+  `transact.group_metadata` writes the same bytes from aiokafka's coordinator (group id,
   generation, member id, instance id), so the group coordinator checks the generation
   of every offset sent, and a worker that lost its partitions cannot commit answers to
   them: its transaction aborts.
@@ -21,9 +21,10 @@ consumer that read them. Three things differ, because aiokafka consumes:
   a commit of Faust's, made beside them, could move an offset back.
 
 On a rebalance Faust waits for every record the agents took to be acknowledged, which
-here means committed in a transaction; records still unacknowledged when the partitions
-must go end the worker (exit 70, as on the bare runtime): committing them later could
-repeat the answers of their next owner.
+here means committed in a transaction; records still unacknowledged after half a
+session when the partitions must go end the worker (exit 70, as on the bare runtime):
+committing them later could repeat the answers of their next owner. The waits are
+`faust_feed.BulkConsumer.wait_empty` and `faust._commit_in_transactions`.
 """
 
 from __future__ import annotations
