@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,11 @@ from faust.types import TP
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.consumers.faust_feed import FeedApp
-from streams.consumers.faust_transactions import StableOffsets, aiokafka_group_metadata
+from streams.consumers.faust_transactions import (
+    StableOffsets,
+    UnstableOffsets,
+    aiokafka_group_metadata,
+)
 from streams.drain import DrainDeadline
 from streams.freeze import FreezeWatch
 from streams.health import Health
@@ -182,7 +186,15 @@ def _commit_in_transactions(
     """Exactly-once: offsets go in the batches' transactions, sent with aiokafka's group
     metadata; Faust seeks to stable offsets and commits nothing itself; a rebalance
     waits for what was taken to be committed, or ends the worker."""
-    app.stable_offsets = StableOffsets(config.app_id, config.broker)
+    read_stable = StableOffsets(config.app_id, config.broker)
+
+    def stable_offsets(partitions: Iterable[tuple[str, int]]) -> Mapping[tuple[str, int], int]:
+        try:
+            return read_stable(partitions)
+        except UnstableOffsets as exc:  # Faust's recovery would crash on it, exit unknown
+            transactions.on_fatal(exc, [])
+
+    app.stable_offsets = stable_offsets
 
     async def read_group_metadata() -> bytes:
         return aiokafka_group_metadata(app.consumer._thread._ensure_consumer())

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import faust
@@ -38,7 +38,6 @@ from mode import Service
 from mode.utils.futures import maybe_async
 
 from streams.consumers import aiokafka_closed
-from streams.consumers.faust_transactions import StableOffsets
 
 # Chunks waiting for an agent: one being fetched while one is handed over.
 FEED_CHUNKS = 2
@@ -339,6 +338,8 @@ class BulkTransport(faust_aiokafka.Transport):
 
 
 Unfinished = Callable[[int, Sequence[tuple[str, int]]], None]
+ReadStable = Callable[[Iterable[tuple[str, int]]], Mapping[tuple[str, int], int]]
+"""(topic, partition) -> committed offset, as `faust_transactions.StableOffsets` reads them."""
 
 
 class FeedApp(faust.App):
@@ -355,7 +356,7 @@ class FeedApp(faust.App):
         """(fetch_max_wait_ms, fetch_min_bytes) of a busy fetch (the broker config's)."""
         self.fetch_max_bytes = fetch_max_bytes
         """aiokafka's fetch_max_bytes: what one fetch asks in all."""
-        self.stable_offsets: StableOffsets | None = None
+        self.stable_offsets: ReadStable | None = None
         """With exactly-once delivery: what reads the offsets Faust seeks to after an
         assignment; Faust then commits nothing itself (`faust_transactions`)."""
         self.on_unfinished: Unfinished | None = None
