@@ -139,8 +139,8 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
         # A known gap, not a pass: in one CI run of seven, inputs were still unanswered
         # 60 s after the load stopped, with neither worker logging anything (cause not
         # found); the other runs answered everything once.
-        request.applymarker(pytest.mark.xfail(
-            strict=False, reason="bare: the group once stalled after the frozen worker resumed"))  # fmt: skip
+        stalled = "bare: the group once stalled after the frozen worker resumed"
+        request.applymarker(pytest.mark.xfail(strict=False, reason=stalled))
     deployment = chaos_deploy(runtime, delivery="exactly_once")
     bootstrap = kafka.bootstrap_servers
     topic = deployment.spec.input_topic
