@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import faust
-from faust.types import TP
+from faust.types import TP, Message
 
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
@@ -201,8 +201,9 @@ def _commit_in_transactions(
 
     transactions.publisher.attach(read_group_metadata)
 
-    def unfinished(left: int, partitions: Sequence[tuple[str, int]]) -> None:
-        transactions.on_fatal(UnfinishedRevoke(left, partitions), [])
+    def unfinished(messages: list[Message]) -> None:
+        partitions = sorted({(m.topic, m.partition) for m in messages})
+        transactions.on_fatal(UnfinishedRevoke(len(messages), partitions), [])
 
     app.on_unfinished = unfinished
 
@@ -214,7 +215,7 @@ def _commit_in_transactions(
             await app.settle(timeout_s=app.conf.broker_session_timeout / 2)
         left = app.unfinished()
         if left:
-            unfinished(len(left), sorted({(m.topic, m.partition) for m in left}))
+            unfinished(left)
 
 
 def _add_agent(

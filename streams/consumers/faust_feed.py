@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import faust
@@ -322,8 +322,7 @@ class BulkConsumer(faust_aiokafka.Consumer):
         deadline = loop.time() + self.app.conf.broker_session_timeout / 2
         while self._unacked_messages and not self.should_stop:
             if loop.time() > deadline:
-                unacked = {(m.topic, m.partition) for m in self._unacked_messages}
-                return unfinished(len(self._unacked_messages), sorted(unacked))
+                return unfinished(list(self._unacked_messages))
             await asyncio.sleep(0.005)  # acks come as transactions commit
 
     async def _commit_if_due(self) -> None:
@@ -337,7 +336,7 @@ class BulkTransport(faust_aiokafka.Transport):
     Consumer = BulkConsumer
 
 
-Unfinished = Callable[[int, Sequence[tuple[str, int]]], None]
+Unfinished = Callable[[list[Message]], None]
 ReadStable = Callable[[Iterable[tuple[str, int]]], Mapping[tuple[str, int], int]]
 """(topic, partition) -> committed offset, as `faust_transactions.StableOffsets` reads them."""
 
@@ -361,7 +360,7 @@ class FeedApp(faust.App):
         assignment; Faust then commits nothing itself (`faust_transactions`)."""
         self.on_unfinished: Unfinished | None = None
         """With exactly-once delivery: what ends the worker when records it took are not
-        committed by the time their partitions must go (count, partitions)."""
+        committed by the time their partitions must go (given those records)."""
 
     def add_feed(self, topic: faust.types.TopicT) -> None:
         """Deliver `topic`'s records to `take` instead of a stream; subscribes to it."""
