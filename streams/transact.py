@@ -288,6 +288,10 @@ class TransactionalPublisher(Publisher):
         one_by_one = False
         group_attempts = purged = 0
         while True:
+            # Membership first: a worker waiting to be a member again (its session
+            # lapsed) must not hold a transaction open meanwhile, which would hide every
+            # later answer on its output partitions from read_committed readers.
+            metadata = await self._member_metadata()
             await self._settle()
             current = self._current
             for batch in batches:
@@ -299,7 +303,6 @@ class TransactionalPublisher(Publisher):
             commit_error = None
             if not failures:
                 try:
-                    metadata = await self._member_metadata()
                     await self._blocking(
                         current.producer.send_offsets_to_transaction,
                         offsets, metadata, CALL_TIMEOUT_S,
@@ -307,10 +310,6 @@ class TransactionalPublisher(Publisher):
                 except KafkaException as exc:
                     commit_error = exc.args[0]
                     self._check_fatal(commit_error)
-                except PublishError:  # not a member of the group: nothing to commit with
-                    await self._abort(current)
-                    await reports()
-                    raise
             reported = commit_error is None
             if reported:
                 failures.update(await reports())  # every record delivered, or failed

@@ -312,8 +312,17 @@ class BareConsumer:
         must see every answer it still writes for them, or it answers those inputs again
         (a broker killed for 10 s: 8-10 repeats in about one run in six while this waited
         only a session). So wait as long as an answer can wait for Kafka; the group
-        cannot be rejoined before the broker is back anyway, and then they go at once."""
-        self._finish(partitions, LOST_WAIT_S)
+        cannot be rejoined before the broker is back anyway, and then they go at once.
+
+        With exactly-once there is nothing to wait for that long: the group refuses
+        offsets from a member it dropped, and this one cannot rejoin while it waits
+        here, so only a transaction whose offsets the group took before that can still
+        commit. Wait half a session for it (as the Faust runtime waits on a revoke);
+        what is left ends the worker (exit 70) before it rejoins, so no retry commits
+        those partitions' offsets under a later generation while another member owns
+        them."""
+        eos = self._transactions is not None
+        self._finish(partitions, self._revoke_timeout_s / 2 if eos else LOST_WAIT_S)
 
     def _finish(self, partitions: list[TopicPartition], timeout_s: float) -> None:
         """Wait up to `timeout_s` for what was handed over from `partitions` to be

@@ -262,6 +262,70 @@ def test_offsets_for_a_member_the_group_no_longer_has_are_refused_and_written_ag
     assert committed(current, topics["in"]) == {0: 1, 1: 2, 2: 3}
 
 
+def test_a_publisher_waiting_to_be_a_member_again_holds_no_transaction_open(kafka, topics, member):
+    """A worker whose session lapsed waits to rejoin before it can commit. Meanwhile
+    read_committed readers of its output topic must go on seeing what others write
+    there: an open transaction of its own would hold every later record back."""
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    outside = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    rejoined, waiting = asyncio.Event(), asyncio.Event()
+    asked: list[int] = []
+
+    async def membership() -> bytes:
+        asked.append(1)
+        if len(asked) >= 3:  # asked, and asking again: not a member yet
+            waiting.set()
+        return (consumer if rejoined.is_set() else outside).consumer_group_metadata()
+
+    async def scenario() -> list[bytes]:
+        publishing = asyncio.create_task(built.publish(batch(topics, [b"a", b"b", b"c"])))
+        await waiting.wait()
+        others = [b"other-%d" % partition for partition in range(3)]
+        await asyncio.to_thread(write_plainly, bootstrap, topics["out"], others)
+        seen = await asyncio.to_thread(read_committed_until, bootstrap, topics["out"], others)
+        rejoined.set()
+        await publishing
+        return seen
+
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}")
+    try:
+        built.attach(membership)
+        seen = asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        built.stop()
+        outside.close()
+    assert sorted(seen) == [b"other-0", b"other-1", b"other-2"]
+    answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
+    assert answers == [b"a", b"b", b"c", b"other-0", b"other-1", b"other-2"]
+
+
+def write_plainly(bootstrap: str, topic: str, values: list[bytes]) -> None:
+    """One value per partition, outside any transaction."""
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for partition, value in enumerate(values):
+        producer.produce(topic, value, key=value, partition=partition)
+    assert producer.flush(30) == 0
+
+
+def read_committed_until(
+    bootstrap: str, topic: str, wanted: list[bytes], timeout_s: float = 5.0
+) -> list[bytes]:
+    """What a read_committed reader of `topic` sees within `timeout_s`, or until it has
+    seen every value of `wanted`."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}",
+                         "isolation.level": "read_committed"})  # fmt: skip
+    seen: list[bytes] = []
+    try:
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(3)])
+        deadline = time.monotonic() + timeout_s
+        while not set(wanted) <= set(seen) and time.monotonic() < deadline:
+            seen += [m.value() for m in consumer.consume(100, 0.2) if m.error() is None]
+        return seen
+    finally:
+        consumer.close()
+
+
 def test_records_kafka_refuses_in_a_transaction_are_found_and_dead_lettered(kafka, topics, member):
     """The output topic takes record batches of up to 4,000 bytes and no keyless record;
     the publisher first believes every topic takes 1 MB. The first transaction is
