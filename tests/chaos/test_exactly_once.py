@@ -127,7 +127,7 @@ def test_at_least_once_repeats_only_what_was_not_committed_at_kill_9(
 
 @pytest.mark.parametrize("runtime", ["bare", "faust"])
 def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
-    chaos_deploy, kafka, sample_assets, runtime, request
+    chaos_deploy, kafka, sample_assets, runtime
 ):
     """Two workers share the input; one freezes (SIGSTOP) past its session with
     transactions open or about to be, and its partitions move to the other. Whatever
@@ -135,12 +135,6 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
     time) the new owner must not answer again, and what it can no longer commit (its
     generation moved on) it must not write: a read_committed reader sees each input
     once."""
-    if runtime == "bare":
-        # A known gap, not a pass: in one CI run of seven, inputs were still unanswered
-        # 60 s after the load stopped, with neither worker logging anything (cause not
-        # found); the other runs answered everything once.
-        stalled = "bare: the group once stalled after the frozen worker resumed"
-        request.applymarker(pytest.mark.xfail(strict=False, reason=stalled))
     deployment = chaos_deploy(runtime, delivery="exactly_once")
     bootstrap = kafka.bootstrap_servers
     topic = deployment.spec.input_topic

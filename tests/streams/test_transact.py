@@ -28,7 +28,8 @@ from confluent_kafka import (
 
 from infra.topics import delete_topics
 from streams.config import BrokerConfig
-from streams.consumers.faust_transactions import StableOffsets
+from streams.consumers import faust_transactions
+from streams.consumers.faust_transactions import StableOffsets, UnstableOffsets
 from streams.errors import TransactionFenced
 from streams.outgoing import Outgoing
 from streams.publish import topic_limits
@@ -400,6 +401,33 @@ def test_stable_offsets_wait_for_the_transaction_that_holds_them(kafka, topics, 
             reading.result(timeout=1.0)
         producer.commit_transaction(30)
         assert reading.result(timeout=30) == {(topics["in"], 0): 5, (topics["in"], 1): -1}
+
+
+def test_stable_offsets_give_up_on_a_transaction_that_stays_open(
+    kafka, topics, member, monkeypatch
+):
+    """A transaction of the previous owner open past the wait: UnstableOffsets naming the
+    partition (on which the Faust runtime ends the worker, exit 70), not an offset."""
+    monkeypatch.setattr(faust_transactions, "STABLE_WAIT_S", 1.0)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    producer = Producer(
+        {
+            "bootstrap.servers": kafka.bootstrap_servers,
+            "transactional.id": f"tx-{group}",
+            "transaction.timeout.ms": 60_000,  # open past the reader's wait
+        }
+    )
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    held = [TopicPartition(topics["in"], 0, 5)]
+    producer.send_offsets_to_transaction(held, consumer.consumer_group_metadata(), 30)
+    reader = StableOffsets(group, BrokerConfig(bootstrap_servers=kafka.bootstrap_servers))
+    try:
+        with pytest.raises(UnstableOffsets, match=rf"{topics['in']}\[0\] within 1 s"):
+            reader([(topics["in"], 0)])
+    finally:
+        producer.abort_transaction(30)
 
 
 def test_the_offsets_of_a_batch_are_the_next_of_each_partition():
