@@ -41,14 +41,19 @@ is aborted and written again with the consumer's current group metadata. Anythin
 (a broker away) aborts it and it is written again after a backoff, the same batches in
 the same order (so no later batch passes an earlier one); TransactionFailed when that
 does not help for ~15 s, TransactionFenced on a fatal error (this producer fenced by a
-newer one). Both end the worker (exit 70) without committing anything more.
+newer one). Both end the worker (exit 70) without committing anything more. A
+transactional call that does not return `STUCK_GRACE_S` after its own timeout (a known
+librdkafka fault after a broker outage) is left behind on its thread: a new producer
+takes over and the attempt counts as failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -77,6 +82,11 @@ log = logging.getLogger(__name__)
 TRANSACTION_TIMEOUT_MS = 15_000
 # Longest one transactional call (init, send offsets, commit, abort) may block.
 CALL_TIMEOUT_S = 10.0
+# How long past its own timeout a transactional call is waited for before its producer
+# is given up: librdkafka's send_offsets_to_transaction ignores its timeout while the
+# group coordinator is away (librdkafka issues 5456, 5511) and can block for good,
+# holding its transaction open; a successor producer fences it and aborts that.
+STUCK_GRACE_S = 5.0
 # How long Kafka usually takes to write a committed transaction's markers: the next
 # transaction begins no sooner (measured on a local broker: 3 ms made a transaction
 # of 64 records 10 ms instead of 29 ms).
@@ -304,7 +314,7 @@ class TransactionalPublisher(Publisher):
             if not failures:
                 try:
                     await self._blocking(
-                        current.producer.send_offsets_to_transaction,
+                        current, current.producer.send_offsets_to_transaction,
                         offsets, metadata, CALL_TIMEOUT_S,
                     )  # fmt: skip
                 except KafkaException as exc:
@@ -438,7 +448,7 @@ class TransactionalPublisher(Publisher):
     async def _commit(self, current: _Producer) -> None:
         for attempt in range(3):
             try:
-                await self._blocking(current.producer.commit_transaction, CALL_TIMEOUT_S)
+                await self._blocking(current, current.producer.commit_transaction, CALL_TIMEOUT_S)
                 self._open = False
                 self._ended_at = asyncio.get_running_loop().time()
                 return
@@ -452,7 +462,7 @@ class TransactionalPublisher(Publisher):
         """Abort the open transaction; where that fails (a broker away), replace the
         producer: its successor's `init_transactions` aborts it."""
         try:
-            await self._blocking(current.producer.abort_transaction, CALL_TIMEOUT_S)
+            await self._blocking(current, current.producer.abort_transaction, CALL_TIMEOUT_S)
         except KafkaException as exc:
             self._check_fatal(exc.args[0])
             log.warning("could not abort a transaction (%s): replacing the producer",
@@ -470,9 +480,11 @@ class TransactionalPublisher(Publisher):
             self.limits = await asyncio.to_thread(self._limits, None)
         successor = self._new_producer()
         try:
-            await asyncio.to_thread(_initialize, successor)
+            await _on_own_thread(successor.producer.init_transactions, CALL_TIMEOUT_S)
         except KafkaException as exc:
             raise PublishError(f"a new transactional producer: {exc.args[0].str()}") from exc
+        except TimeoutError as exc:
+            raise PublishError(f"a new transactional producer: {exc}") from exc
         with self._retiring_lock:
             self._retiring.append(stopped)
         self._current = successor
@@ -485,9 +497,17 @@ class TransactionalPublisher(Publisher):
             self._check_fatal(exc.args[0])
             raise PublishError(f"Kafka transaction: {exc.args[0].str()}") from exc
 
-    async def _blocking(self, call: Callable[..., Any], *args: Any) -> Any:
-        """A transactional call, which blocks until the coordinator answers, on a thread."""
-        return await asyncio.to_thread(call, *args)
+    async def _blocking(self, current: _Producer, call: Callable[..., Any], *args: Any) -> Any:
+        """A transactional call of `current`, which blocks until the coordinator answers,
+        on a thread. Where it is stuck past its timeout, `current` is replaced (which aborts
+        its transaction) and PublishError raised: the attempt is tried again."""
+        try:
+            return await _on_own_thread(call, *args)
+        except TimeoutError as exc:
+            log.warning("%s; a new transactional producer takes over", exc)
+            self._open = False
+            await self._replace(current, read_limits=False)
+            raise PublishError(str(exc)) from exc
 
     def _check_fatal(self, error: KafkaError) -> None:
         if error.fatal() or error.code() in (KafkaError._FENCED, KafkaError.FENCED_INSTANCE_ID):
@@ -507,6 +527,41 @@ class TransactionalPublisher(Publisher):
                 log.warning("could not abort the open transaction: %s", exc.args[0].str())
             self._open = False
         super().stop(timeout_s)
+
+
+async def _on_own_thread(call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)` (its last argument its timeout in seconds) on a daemon thread of its
+    own: a call that never returns is left there, where it holds neither the loop, nor a
+    pool thread, nor the process's exit. TimeoutError `STUCK_GRACE_S` past its timeout."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if outcome.done():  # given up on meanwhile
+            return
+        if error is None:
+            outcome.set_result(result)
+        else:
+            outcome.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = call(*args), None
+        except BaseException as exc:  # handed to the loop, raised there
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    name = getattr(call, "__name__", "call")
+    threading.Thread(target=run, name=f"headrace-{name}", daemon=True).start()
+    limit_s = args[-1] + STUCK_GRACE_S
+    try:
+        return await asyncio.wait_for(outcome, limit_s)
+    except TimeoutError:
+        raise TimeoutError(
+            f"librdkafka's {name} has not returned after {limit_s:.0f} s, past its "
+            f"timeout of {args[-1]:.0f} s"
+        ) from None
 
 
 def _initialize(current: _Producer) -> None:

@@ -13,6 +13,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from tests.chaos.conftest import input_offsets, outcomes_per_input, read_outcomes
+from tests.chaos.test_broker_outage import OUTAGE_S, kill_broker
 from tests.chaos.test_failover import all_answered, answered, steady_load
 from tests.helpers import wait_until
 from tests.streams.test_worker import collector_for
@@ -169,5 +170,61 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
     repeated = {where: n for where, n in counts.items() if n > 1}
     print(f"{runtime} exactly_once, frozen {frozen_s:.0f} s: {len(inputs)} inputs, "
           f"{len(missing)} missing, {len(repeated)} repeated")  # fmt: skip
+    assert not missing, f"{len(missing)} inputs without an answer"
+    assert not repeated, f"{len(repeated)} inputs answered more than once"
+
+
+@pytest.mark.parametrize("runtime", ["bare", "faust"])
+def test_exactly_once_a_broker_crash_ends_in_answers_or_an_exit_and_each_input_once(
+    chaos_deploy, kafka, sample_assets, runtime
+):
+    """The broker killed for longer than the group session under exactly-once. A worker
+    that kept its partitions answers again once the broker is back; one whose partitions
+    were revoked with answers not yet committed ends (exit 70) rather than commit them
+    under a new generation, and is started again, as a supervisor would. Neither hangs:
+    before librdkafka's send_offsets_to_transaction was given up on past its timeout, a
+    bare worker waited on it for good in three runs of five. Either way a read_committed
+    reader sees each input answered once."""
+    deployment = chaos_deploy(runtime, delivery="exactly_once", instance_id="worker-1")
+    bootstrap = kafka.bootstrap_servers
+    topic = deployment.spec.input_topic
+    reader = collector_for(deployment, isolation_level="read_committed")
+    try:
+        with ExitStack() as load:
+            load.enter_context(steady_load(kafka, deployment, sample_assets.world, per_s=100))
+            worker = deployment.start()
+            try:
+                assert wait_until(lambda: answered(reader) > 200, 120), deployment.log_tail()
+                kill_broker(kafka)
+                try:
+                    time.sleep(OUTAGE_S)  # the fault itself, not a wait for anything
+                finally:
+                    kafka.start()
+                before = answered(reader)
+                assert wait_until(
+                    lambda: worker.poll() is not None or answered(reader) > before + 200, 60
+                ), deployment.log_tail()
+                if worker.poll() is None:
+                    load.close()
+                    assert wait_until(lambda: all_answered(reader, bootstrap, topic), 90), (
+                        deployment.log_tail()
+                    )
+            finally:
+                ended = stop_worker(worker)
+            assert ended in (0, 70), deployment.log_tail()
+            if ended == 70:
+                with deployment.worker():
+                    load.close()
+                    assert wait_until(lambda: all_answered(reader, bootstrap, topic), 120), (
+                        deployment.log_tail()
+                    )
+    finally:
+        reader.stop()
+    inputs = input_offsets(bootstrap, topic)
+    counts = outcomes_per_input(read_outcomes(deployment, "read_committed"), topic)
+    missing = inputs - set(counts)
+    repeated = {where: n for where, n in counts.items() if n > 1}
+    print(f"{runtime} exactly_once, broker down {OUTAGE_S} s: worker exit {ended}; "
+          f"{len(inputs)} inputs, {len(missing)} missing, {len(repeated)} repeated")  # fmt: skip
     assert not missing, f"{len(missing)} inputs without an answer"
     assert not repeated, f"{len(repeated)} inputs answered more than once"

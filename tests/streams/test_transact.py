@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,12 +22,14 @@ from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
     KafkaError,
+    KafkaException,
     Message,
     Producer,
     TopicPartition,
 )
 
 from infra.topics import delete_topics
+from streams import transact
 from streams.config import BrokerConfig
 from streams.consumers import faust_transactions
 from streams.consumers.faust_transactions import StableOffsets, UnstableOffsets
@@ -299,6 +302,47 @@ def test_a_publisher_waiting_to_be_a_member_again_holds_no_transaction_open(kafk
     assert sorted(seen) == [b"other-0", b"other-1", b"other-2"]
     answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
     assert answers == [b"a", b"b", b"c", b"other-0", b"other-1", b"other-2"]
+
+
+class StuckOnceProducer(CountingProducer):
+    """A real producer whose first `send_offsets_to_transaction` of all those made never
+    returns (until `released`): librdkafka's, once its group coordinator was away."""
+
+    def __init__(self, config: dict, made: list, released: threading.Event) -> None:
+        super().__init__(config, [])
+        made.append(self)
+        self._first = len(made) == 1
+        self._released = released
+
+    def send_offsets_to_transaction(self, *args):
+        if self._first:
+            self._released.wait(60)
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+        return self._producer.send_offsets_to_transaction(*args)
+
+
+def test_a_transactional_call_stuck_past_its_timeout_hands_over_to_a_new_producer(
+    kafka, topics, member, monkeypatch
+):
+    monkeypatch.setattr(transact, "CALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(transact, "STUCK_GRACE_S", 0.5)
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    made: list[StuckOnceProducer] = []
+    released = threading.Event()
+    stuck_once = lambda config: StuckOnceProducer(config, made, released)  # noqa: E731
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", make_producer=stuck_once)
+    try:
+        built.attach(metadata_of(consumer))
+        publish(built, batch(topics, [b"a", b"b", b"c"]))
+    finally:
+        released.set()
+        built.stop()
+    assert len(made) == 2, "the stuck producer was replaced"
+    # The successor's initialization aborted the stuck one's transaction.
+    answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
+    assert answers == [b"a", b"b", b"c"]
+    assert committed(consumer, topics["in"]) == {0: 1, 1: 2, 2: 3}
 
 
 def write_plainly(bootstrap: str, topic: str, values: list[bytes]) -> None:
