@@ -29,6 +29,15 @@ def kill_broker(kafka) -> None:
     assert wait_until(lambda: kafka.process.pid() is None, 30)
 
 
+def crash_broker(kafka) -> None:
+    """The broker killed, down for `OUTAGE_S`, and started again."""
+    kill_broker(kafka)
+    try:
+        time.sleep(OUTAGE_S)  # the fault itself, not a wait for anything
+    finally:
+        kafka.start()
+
+
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
 def test_a_worker_rides_out_a_broker_crash_and_nothing_goes_unanswered(
     chaos_deploy, kafka, sample_assets, runtime
@@ -40,11 +49,7 @@ def test_a_worker_rides_out_a_broker_crash_and_nothing_goes_unanswered(
         with deployment.worker() as worker:
             with steady_load(kafka, deployment, sample_assets.world, per_s=100):
                 assert wait_until(lambda: answered(collector) > 200, 120), deployment.log_tail()
-                kill_broker(kafka)
-                try:
-                    time.sleep(OUTAGE_S)  # the fault itself, not a wait for anything
-                finally:
-                    kafka.start()
+                crash_broker(kafka)
                 back_at = time.monotonic()
                 before = answered(collector)
                 assert wait_until(lambda: answered(collector) > before + 200, 90), (

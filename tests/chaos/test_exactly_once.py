@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from tests.chaos.conftest import input_offsets, outcomes_per_input, read_outcomes
-from tests.chaos.test_broker_outage import OUTAGE_S, kill_broker
+from tests.chaos.test_broker_outage import OUTAGE_S, crash_broker
 from tests.chaos.test_failover import all_answered, answered, steady_load
 from tests.helpers import wait_until
 from tests.streams.test_worker import collector_for
@@ -41,6 +41,18 @@ def caught_up(reader: OutcomeCollector, bootstrap: str, topic: str) -> bool:
     """More than a second of the load answered, and under a quarter second behind it."""
     done = answered(reader)
     return done > RATE_PER_S and len(input_offsets(bootstrap, topic)) - done < RATE_PER_S // 4
+
+
+def each_answered_once(bootstrap: str, deployment, what: str) -> None:
+    """A read_committed reader of the outputs sees each input answered exactly once."""
+    topic = deployment.spec.input_topic
+    inputs = input_offsets(bootstrap, topic)
+    counts = outcomes_per_input(read_outcomes(deployment, "read_committed"), topic)
+    missing = inputs - set(counts)
+    repeated = {where: n for where, n in counts.items() if n > 1}
+    print(f"{what}: {len(inputs)} inputs, {len(missing)} missing, {len(repeated)} repeated")
+    assert not missing, f"{len(missing)} inputs without an answer"
+    assert not repeated, f"{len(repeated)} inputs answered more than once"
 
 
 def kill_mid_stream_and_restart(
@@ -164,14 +176,7 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
             assert stop_worker(zombie) in (0, 70), deployment.log_tail()
     finally:
         reader.stop()
-    inputs = input_offsets(bootstrap, topic)
-    counts = outcomes_per_input(read_outcomes(deployment, "read_committed"), topic)
-    missing = inputs - set(counts)
-    repeated = {where: n for where, n in counts.items() if n > 1}
-    print(f"{runtime} exactly_once, frozen {frozen_s:.0f} s: {len(inputs)} inputs, "
-          f"{len(missing)} missing, {len(repeated)} repeated")  # fmt: skip
-    assert not missing, f"{len(missing)} inputs without an answer"
-    assert not repeated, f"{len(repeated)} inputs answered more than once"
+    each_answered_once(bootstrap, deployment, f"{runtime} exactly_once, frozen {frozen_s:.0f} s")
 
 
 @pytest.mark.parametrize("runtime", ["bare", "faust"])
@@ -195,11 +200,7 @@ def test_exactly_once_a_broker_crash_ends_in_answers_or_an_exit_and_each_input_o
             worker = deployment.start()
             try:
                 assert wait_until(lambda: answered(reader) > 200, 120), deployment.log_tail()
-                kill_broker(kafka)
-                try:
-                    time.sleep(OUTAGE_S)  # the fault itself, not a wait for anything
-                finally:
-                    kafka.start()
+                crash_broker(kafka)
                 before = answered(reader)
                 assert wait_until(
                     lambda: worker.poll() is not None or answered(reader) > before + 200, 60
@@ -220,11 +221,6 @@ def test_exactly_once_a_broker_crash_ends_in_answers_or_an_exit_and_each_input_o
                     )
     finally:
         reader.stop()
-    inputs = input_offsets(bootstrap, topic)
-    counts = outcomes_per_input(read_outcomes(deployment, "read_committed"), topic)
-    missing = inputs - set(counts)
-    repeated = {where: n for where, n in counts.items() if n > 1}
-    print(f"{runtime} exactly_once, broker down {OUTAGE_S} s: worker exit {ended}; "
-          f"{len(inputs)} inputs, {len(missing)} missing, {len(repeated)} repeated")  # fmt: skip
-    assert not missing, f"{len(missing)} inputs without an answer"
-    assert not repeated, f"{len(repeated)} inputs answered more than once"
+    each_answered_once(
+        bootstrap, deployment, f"{runtime} exactly_once, broker down {OUTAGE_S} s, exit {ended}"
+    )
