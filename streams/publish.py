@@ -55,6 +55,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
+from infra.kafka_clients import client_settings
 from streams.config import BrokerConfig
 from streams.errors import PublishError
 from streams.outgoing import TOO_LARGE, UNPUBLISHABLE, Outgoing, wire_bytes
@@ -112,12 +113,8 @@ _STOPPED = frozenset(
 def topic_limits(bootstrap_servers: str, topics: Sequence[str], timeout_s: float = 10.0) -> dict:
     """Each topic's `max.message.bytes` (its own, or the broker's default), read with
     the admin API. Blocks up to about `timeout_s`; KafkaException when it cannot."""
-    admin = AdminClient(
-        {
-            "bootstrap.servers": bootstrap_servers,
-            "socket.connection.setup.timeout.ms": max(1_000, int(timeout_s * 1000)),
-        }
-    )
+    # Its librdkafka log lines go to the worker's log, not raw to stderr.
+    admin = AdminClient(client_settings(bootstrap_servers, "admin", timeout_s))
     resources = [ConfigResource(ResourceType.TOPIC, topic) for topic in topics]
     futures = admin.describe_configs(resources, request_timeout=timeout_s)
     limits = {}
