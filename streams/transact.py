@@ -44,7 +44,9 @@ does not help for ~15 s, TransactionFenced on a fatal error (this producer fence
 newer one). Both end the worker (exit 70) without committing anything more. A
 transactional call that does not return `STUCK_GRACE_S` after its own timeout (a known
 librdkafka fault after a broker outage) is left behind on its thread: a new producer
-takes over and the attempt counts as failed.
+takes over and the attempt counts as failed. Not so a commit: one whose outcome stays
+unknown (timed out three times, or never returned) may have committed, so it ends the
+worker (TransactionFailed) instead of writing its batches again.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ RETRY_DELAYS_S = (0.1, 0.3, 1.0, 3.0, 10.0)
 # records were failed for the producer's sake, before counting as a failed attempt.
 _GROUP_ATTEMPTS = 5
 _PURGED = 3
+# Attempts of a commit that times out (each up to CALL_TIMEOUT_S) before its outcome
+# counts as unknown.
+_COMMIT_ATTEMPTS = 3
 # What stands for a record not produced because librdkafka's queue was full.
 _QUEUE_FULL = KafkaError(KafkaError._QUEUE_FULL)
 # Longest a transaction waits for the consumer to be a member of its group (joining).
@@ -446,17 +451,30 @@ class TransactionalPublisher(Publisher):
             await asyncio.sleep(0.05)
 
     async def _commit(self, current: _Producer) -> None:
-        for attempt in range(3):
+        """Commit the open transaction. One that times out is still under way: librdkafka
+        resumes it when asked again. One whose outcome stays unknown ends the worker
+        (TransactionFailed): it may have committed, so writing its batches again could
+        answer them twice, while a restart reads the offsets as they were committed."""
+        for attempt in range(1, _COMMIT_ATTEMPTS + 1):
             try:
-                await self._blocking(current, current.producer.commit_transaction, CALL_TIMEOUT_S)
+                await _on_own_thread(current.producer.commit_transaction, CALL_TIMEOUT_S)
                 self._open = False
                 self._ended_at = asyncio.get_running_loop().time()
                 return
             except KafkaException as exc:
                 error = exc.args[0]
-                if not error.retriable() or attempt == 2:
-                    raise
+                if not error.retriable():
+                    raise  # aborted: nothing of it was committed
+                if attempt == _COMMIT_ATTEMPTS:
+                    raise TransactionFailed(
+                        f"committing a transaction failed {attempt} times ({error.str()}): "
+                        "whether it committed is unknown"
+                    ) from exc
                 log.warning("committing a transaction: %s; trying again", error.str())
+            except TimeoutError as exc:
+                raise TransactionFailed(
+                    f"{exc}: whether the transaction committed is unknown"
+                ) from exc
 
     async def _abort(self, current: _Producer) -> None:
         """Abort the open transaction; where that fails (a broker away), replace the

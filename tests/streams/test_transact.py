@@ -33,7 +33,7 @@ from streams import transact
 from streams.config import BrokerConfig
 from streams.consumers import faust_transactions
 from streams.consumers.faust_transactions import StableOffsets, UnstableOffsets
-from streams.errors import TransactionFenced
+from streams.errors import TransactionFailed, TransactionFenced
 from streams.outgoing import Outgoing
 from streams.publish import topic_limits
 from streams.records import InputRecord, OutRecord
@@ -343,6 +343,47 @@ def test_a_transactional_call_stuck_past_its_timeout_hands_over_to_a_new_produce
     answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
     assert answers == [b"a", b"b", b"c"]
     assert committed(consumer, topics["in"]) == {0: 1, 1: 2, 2: 3}
+
+
+class UnknownCommitProducer(CountingProducer):
+    """A real producer whose `commit_transaction` never says how it ended: it times out
+    (a retriable error), or it never returns (until `released`)."""
+
+    def __init__(self, config: dict, commits: list, stuck: bool, released: threading.Event):
+        super().__init__(config, commits)
+        self._stuck = stuck
+        self._released = released
+
+    def commit_transaction(self, *args):
+        self._commits.append(1)
+        if self._stuck:
+            self._released.wait(60)
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, retriable=True))
+
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["times-out", "never-returns"])
+def test_a_commit_whose_outcome_stays_unknown_ends_the_worker_instead_of_writing_again(
+    kafka, topics, member, monkeypatch, stuck
+):
+    """A commit that may have gone through must not be followed by the same batches in
+    another transaction: they would be answered twice."""
+    monkeypatch.setattr(transact, "CALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(transact, "STUCK_GRACE_S", 0.5)
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    commits: list[int] = []
+    released = threading.Event()
+    unknown = lambda config: UnknownCommitProducer(config, commits, stuck, released)  # noqa: E731
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", make_producer=unknown)
+    try:
+        built.attach(metadata_of(consumer))
+        with pytest.raises(TransactionFailed, match=r"whether .*committed is unknown"):
+            publish(built, batch(topics, [b"a", b"b", b"c"]))
+    finally:
+        released.set()
+        built.stop()  # aborts the transaction left open
+    assert len(commits) == (1 if stuck else 3), "asked again while it only timed out"
+    assert read(bootstrap, topics["out"], "read_committed") == []
 
 
 def write_plainly(bootstrap: str, topic: str, values: list[bytes]) -> None:
