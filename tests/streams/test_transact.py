@@ -321,11 +321,16 @@ class StuckOnceProducer(CountingProducer):
         return self._producer.send_offsets_to_transaction(*args)
 
 
-def test_a_transactional_call_stuck_past_its_timeout_hands_over_to_a_new_producer(
-    kafka, topics, member, monkeypatch
-):
+@pytest.fixture
+def short_calls(monkeypatch) -> None:
+    """Transactional calls time out after 3 s and are given up on half a second later."""
     monkeypatch.setattr(transact, "CALL_TIMEOUT_S", 3.0)
     monkeypatch.setattr(transact, "STUCK_GRACE_S", 0.5)
+
+
+def test_a_transactional_call_stuck_past_its_timeout_hands_over_to_a_new_producer(
+    kafka, topics, member, short_calls
+):
     bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
     consumer = member(group, topics["in"])
     made: list[StuckOnceProducer] = []
@@ -363,12 +368,10 @@ class UnknownCommitProducer(CountingProducer):
 
 @pytest.mark.parametrize("stuck", [False, True], ids=["times-out", "never-returns"])
 def test_a_commit_whose_outcome_stays_unknown_ends_the_worker_instead_of_writing_again(
-    kafka, topics, member, monkeypatch, stuck
+    kafka, topics, member, short_calls, stuck
 ):
     """A commit that may have gone through must not be followed by the same batches in
     another transaction: they would be answered twice."""
-    monkeypatch.setattr(transact, "CALL_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(transact, "STUCK_GRACE_S", 0.5)
     bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
     consumer = member(group, topics["in"])
     commits: list[int] = []
