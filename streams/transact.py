@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import sys
 import threading
 import uuid
@@ -230,6 +231,7 @@ class TransactionalPublisher(Publisher):
         )  # fmt: skip
         self.transactional_id = transactional_id
         self._retry_delays_s = tuple(retry_delays_s)
+        self._caller = _Caller()
         try:
             _initialize(self._current)
         except KafkaException as exc:
@@ -457,7 +459,7 @@ class TransactionalPublisher(Publisher):
         answer them twice, while a restart reads the offsets as they were committed."""
         for attempt in range(1, _COMMIT_ATTEMPTS + 1):
             try:
-                await _on_own_thread(current.producer.commit_transaction, CALL_TIMEOUT_S)
+                await self._off_loop(current.producer.commit_transaction, CALL_TIMEOUT_S)
                 self._open = False
                 self._ended_at = asyncio.get_running_loop().time()
                 return
@@ -498,7 +500,7 @@ class TransactionalPublisher(Publisher):
             self.limits = await asyncio.to_thread(self._limits, None)
         successor = self._new_producer()
         try:
-            await _on_own_thread(successor.producer.init_transactions, CALL_TIMEOUT_S)
+            await self._off_loop(successor.producer.init_transactions, CALL_TIMEOUT_S)
         except KafkaException as exc:
             raise PublishError(f"a new transactional producer: {exc.args[0].str()}") from exc
         except TimeoutError as exc:
@@ -520,12 +522,21 @@ class TransactionalPublisher(Publisher):
         on a thread. Where it is stuck past its timeout, `current` is replaced (which aborts
         its transaction) and PublishError raised: the attempt is tried again."""
         try:
-            return await _on_own_thread(call, *args)
+            return await self._off_loop(call, *args)
         except TimeoutError as exc:
             log.warning("%s; a new transactional producer takes over", exc)
             self._open = False
             await self._replace(current, read_limits=False)
             raise PublishError(str(exc)) from exc
+
+    async def _off_loop(self, call: Callable[..., Any], *args: Any) -> Any:
+        """`call(*args)` on the caller thread; TimeoutError where it is stuck past its
+        timeout, and later calls go to a new caller thread."""
+        try:
+            return await self._caller.call(call, *args)
+        except TimeoutError:
+            self._caller = _Caller()  # the spent one's thread stays with the stuck call
+            raise
 
     def _check_fatal(self, error: KafkaError) -> None:
         if error.fatal() or error.code() in (KafkaError._FENCED, KafkaError.FENCED_INSTANCE_ID):
@@ -547,39 +558,50 @@ class TransactionalPublisher(Publisher):
         super().stop(timeout_s)
 
 
-async def _on_own_thread(call: Callable[..., Any], *args: Any) -> Any:
-    """`call(*args)` (its last argument its timeout in seconds) on a daemon thread of its
-    own: a call that never returns is left there, where it holds neither the loop, nor a
-    pool thread, nor the process's exit. TimeoutError `STUCK_GRACE_S` past its timeout."""
-    loop = asyncio.get_running_loop()
-    outcome: asyncio.Future[Any] = loop.create_future()
+class _Caller:
+    """A daemon thread that makes the transactional calls, one at a time. A call that
+    never returns is left there with its thread, which holds neither the loop, nor a pool
+    thread, nor the process's exit; the publisher then makes a new `_Caller`."""
 
-    def settle(result: Any, error: BaseException | None) -> None:
-        if outcome.done():  # given up on meanwhile
-            return
-        if error is None:
-            outcome.set_result(result)
-        else:
-            outcome.set_exception(error)
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="headrace-transactions", daemon=True).start()
 
-    def run() -> None:
+    async def call(self, call: Callable[..., Any], *args: Any) -> Any:
+        """`call(*args)` (its last argument its timeout in seconds), waited for up to
+        `STUCK_GRACE_S` past that timeout; TimeoutError then, and this caller is spent."""
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[Any] = loop.create_future()
+        self._calls.put((call, args, loop, outcome))
+        limit_s = args[-1] + STUCK_GRACE_S
         try:
-            result, error = call(*args), None
-        except BaseException as exc:  # handed to the loop, raised there
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(settle, result, error)
+            return await asyncio.wait_for(outcome, limit_s)
+        except TimeoutError:
+            self._calls.put(None)  # its thread ends, should the call ever return
+            name = getattr(call, "__name__", "call")
+            raise TimeoutError(
+                f"librdkafka's {name} has not returned after {limit_s:.0f} s, past its "
+                f"timeout of {args[-1]:.0f} s"
+            ) from None
 
-    name = getattr(call, "__name__", "call")
-    threading.Thread(target=run, name=f"headrace-{name}", daemon=True).start()
-    limit_s = args[-1] + STUCK_GRACE_S
-    try:
-        return await asyncio.wait_for(outcome, limit_s)
-    except TimeoutError:
-        raise TimeoutError(
-            f"librdkafka's {name} has not returned after {limit_s:.0f} s, past its "
-            f"timeout of {args[-1]:.0f} s"
-        ) from None
+    def _serve(self) -> None:
+        while (work := self._calls.get()) is not None:
+            call, args, loop, outcome = work
+            try:
+                result, error = call(*args), None
+            except BaseException as exc:  # handed to the loop, raised there
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_settle, outcome, result, error)
+
+
+def _settle(outcome: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if outcome.done():  # given up on meanwhile
+        return
+    if error is None:
+        outcome.set_result(result)
+    else:
+        outcome.set_exception(error)
 
 
 def _initialize(current: _Producer) -> None:
