@@ -555,6 +555,7 @@ class TransactionalPublisher(Publisher):
             except KafkaException as exc:
                 log.warning("could not abort the open transaction: %s", exc.args[0].str())
             self._open = False
+        self._caller.stop()
         super().stop(timeout_s)
 
 
@@ -577,12 +578,16 @@ class _Caller:
         try:
             return await asyncio.wait_for(outcome, limit_s)
         except TimeoutError:
-            self._calls.put(None)  # its thread ends, should the call ever return
+            self.stop()  # its thread ends, should the call ever return
             name = getattr(call, "__name__", "call")
             raise TimeoutError(
                 f"librdkafka's {name} has not returned after {limit_s:.0f} s, past its "
                 f"timeout of {args[-1]:.0f} s"
             ) from None
+
+    def stop(self) -> None:
+        """Its thread ends once the calls asked for before are made. Safe twice."""
+        self._calls.put(None)
 
     def _serve(self) -> None:
         while (work := self._calls.get()) is not None:
