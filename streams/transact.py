@@ -36,10 +36,11 @@ open transaction blocks its partitions until Kafka aborts it (`transaction.timeo
 Failures. A record Kafka refuses aborts the transaction; the topics' limits are read
 again and the records are written anew on a new producer, one at a time, so that the
 record at fault fails alone and is replaced by its dead letter (`streams/outgoing.py`).
-A transaction that fails for the group's sake (a rebalance moved the generation on)
-is aborted and written again with the consumer's current group metadata. Anything else
-(a broker away) aborts it and it is written again after a backoff, the same batches in
-the same order (so no later batch passes an earlier one); TransactionFailed when that
+A transaction that fails for the group's sake (a rebalance moved the generation on, or
+the consumer joined again under its instance id with a new member id) is aborted and
+written again with the consumer's current group metadata. Anything else (a broker
+away) aborts it and it is written again after a backoff, the same batches in the same
+order (so no later batch passes an earlier one); TransactionFailed when that
 does not help for ~15 s, TransactionFenced on a fatal error (this producer fenced by a
 newer one). Both end the worker (exit 70) without committing anything more. A
 transactional call that does not return `STUCK_GRACE_S` after its own timeout (a known
@@ -155,13 +156,24 @@ def is_member(metadata: bytes) -> bool:
     (each NUL-terminated), then the instance id. A consumer that has not joined (or
     lost its membership) has generation -1 or no member id; offsets sent with
     generation -1 skip the coordinator's generation check, so they must never be sent."""
-    if not metadata.startswith(_MAGIC) or len(metadata) < len(_MAGIC) + 4:
+    identity = _member_identity(metadata)
+    if identity is None:
         return True  # a format this code does not know: leave the check to the broker
+    generation, member_id = identity
+    return generation >= 0 and member_id != b""
+
+
+def _member_identity(metadata: bytes) -> tuple[int, bytes] | None:
+    """(generation, member id) of librdkafka's group metadata; None for another format."""
+    if not metadata.startswith(_MAGIC) or len(metadata) < len(_MAGIC) + 4:
+        return None
     at = len(_MAGIC)
     generation = int.from_bytes(metadata[at : at + 4], sys.byteorder, signed=True)
     group_end = metadata.find(b"\0", at + 4)
     member_end = metadata.find(b"\0", group_end + 1)
-    return generation >= 0 and member_end > group_end + 1
+    if group_end < 0 or member_end < 0:
+        return None
+    return generation, metadata[group_end + 1 : member_end]
 
 
 def group_metadata(
@@ -326,7 +338,8 @@ class TransactionalPublisher(Publisher):
                     )  # fmt: skip
                 except KafkaException as exc:
                     commit_error = exc.args[0]
-                    self._check_fatal(commit_error)
+                    if not await self._rejoined_since(commit_error, metadata):
+                        self._check_fatal(commit_error)
             reported = commit_error is None
             if reported:
                 failures.update(await reports())  # every record delivered, or failed
@@ -360,7 +373,10 @@ class TransactionalPublisher(Publisher):
                 # producer sized by them sends each record alone to find the one.
                 await self._replace(current, read_limits=True)
                 one_by_one = True
-            elif commit_error is not None and commit_error.code() in _GROUP_MOVED:
+            elif commit_error is not None and (
+                commit_error.code() in _GROUP_MOVED
+                or commit_error.code() == KafkaError.FENCED_INSTANCE_ID  # rejoined, as above
+            ):
                 if group_attempts == _GROUP_ATTEMPTS:
                     raise PublishError(f"the group kept moving on: {commit_error.str()}")
                 # The group has a new generation (a rebalance): ask for it and retry.
@@ -431,6 +447,23 @@ class TransactionalPublisher(Publisher):
         wait_s = self._ended_at + SETTLE_S - asyncio.get_running_loop().time()
         if wait_s > 0:
             await asyncio.sleep(wait_s)
+
+    async def _rejoined_since(self, error: KafkaError, sent: bytes) -> bool:
+        """Whether offsets refused as FENCED_INSTANCE_ID were refused because this
+        worker's own consumer joined again since `sent` was read: with static membership
+        a consumer whose session lapsed (a broker outage longer than the session) comes
+        back under the same instance id with a new member id, which fences the old one.
+        Then the group only moved on, as after a rebalance. Otherwise another process
+        holds the instance id: this worker is the zombie (TransactionFenced)."""
+        if error.code() != KafkaError.FENCED_INSTANCE_ID or self._group_metadata is None:
+            return False
+        self._metadata = None
+        try:
+            now = _member_identity(await self._member_metadata())  # a member again
+        except PublishError:
+            return False
+        was = _member_identity(sent)
+        return now is not None and was is not None and now[1] != was[1]
 
     async def _member_metadata(self) -> bytes:
         """The consumer's group metadata, once it is a member of a generation."""

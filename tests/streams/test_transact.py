@@ -20,6 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import pytest
 from confluent_kafka import (
     OFFSET_BEGINNING,
+    OFFSET_INVALID,
     Consumer,
     KafkaError,
     KafkaException,
@@ -63,13 +64,17 @@ def topics(kafka) -> Iterator[dict[str, str]]:
 
 @pytest.fixture
 def member(kafka) -> Iterator:
-    """Factory: `member(group, topic)`, a consumer of `group` with `topic`'s partitions
-    assigned (a member of a generation); closed at the end unless closed before."""
+    """Factory: `member(group, topic, instance_id=None)`, a consumer of `group` with
+    `topic`'s partitions assigned (a member of a generation); closed at the end unless
+    closed before."""
     made: list[Consumer] = []
 
-    def join(group: str, topic: str) -> Consumer:
+    def join(group: str, topic: str, instance_id: str | None = None) -> Consumer:
         assigned = []
-        consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group})
+        settings = {"bootstrap.servers": kafka.bootstrap_servers, "group.id": group}
+        if instance_id is not None:
+            settings["group.instance.id"] = instance_id
+        consumer = Consumer(settings)
         made.append(consumer)
         consumer.subscribe([topic], on_assign=lambda _c, partitions: assigned.extend(partitions))
         deadline = time.monotonic() + 60
@@ -264,6 +269,43 @@ def test_offsets_for_a_member_the_group_no_longer_has_are_refused_and_written_ag
     uncommitted = sorted(m.value() for m in read(bootstrap, topics["out"], "read_uncommitted"))
     assert uncommitted in ([b"a", b"b", b"c"], [b"a", b"a", b"b", b"b", b"c", b"c"])
     assert committed(current, topics["in"]) == {0: 1, 1: 2, 2: 3}
+
+
+@pytest.mark.parametrize("rejoined", [True, False], ids=["own consumer rejoined", "zombie"])
+def test_offsets_of_a_static_member_fenced_by_its_own_rejoin_are_written_again(
+    kafka, topics, member, rejoined
+):
+    """With an instance id, a consumer whose session lapsed (a broker outage longer than
+    the session) joins again under a new member id, which fences the metadata read
+    before: the group moved on, as after a rebalance, and the batch is written again
+    (before, the worker took itself for a zombie and ended, exit 70). A member id that
+    did not change means another process holds the instance id: TransactionFenced."""
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    before = member(group, topics["in"], instance_id="worker-1")
+    stale = before.consumer_group_metadata()
+    before.close()  # a static member does not leave: its instance id stays in the group
+    again = member(group, topics["in"], instance_id="worker-1")
+    assert again.consumer_group_metadata() != stale
+    given: list[bytes] = []
+
+    async def membership() -> bytes:
+        given.append(again.consumer_group_metadata() if rejoined and given else stale)
+        return given[-1]
+
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}")
+    try:
+        built.attach(membership)
+        if rejoined:
+            publish(built, batch(topics, [b"a", b"b", b"c"]))
+        else:
+            with pytest.raises(TransactionFenced, match="took over"):
+                publish(built, batch(topics, [b"a", b"b", b"c"]))
+    finally:
+        built.stop()
+    answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
+    assert answers == ([b"a", b"b", b"c"] if rejoined else [])
+    nothing = dict.fromkeys(range(3), OFFSET_INVALID)
+    assert committed(again, topics["in"]) == ({0: 1, 1: 2, 2: 3} if rejoined else nothing)
 
 
 def test_a_publisher_waiting_to_be_a_member_again_holds_no_transaction_open(kafka, topics, member):
