@@ -244,7 +244,7 @@ def _add_agent(
         consumer_ack = consumer.ack
         for message in messages:
             consumer_ack(message)
-        consumer.acked(messages)
+        consumer.acked()
         progress.answered({(m.topic, m.partition): m.offset for m in messages})
 
     def hold(topic: str, partition: int, paused: bool) -> None:

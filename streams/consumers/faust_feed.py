@@ -212,13 +212,8 @@ class BulkConsumer(faust_aiokafka.Consumer):
         super().__init__(*args, **kwargs)
         self._acked_since_commit = asyncio.Event()
 
-    def acked(self, messages: list[Message]) -> None:
-        """`messages` were acknowledged (`Consumer.ack` of each): a commit is due within
-        the interval, and none of them is waited for any more. (Faust's ack goes on
-        tracking a record whose offset it counts as acknowledged already: a stale copy,
-        read before its partition left and came back, of a record answered since under
-        the new assignment; Faust's wait on a rebalance or a stop would wait for it.)"""
-        self._unacked_messages.difference_update(messages)
+    def acked(self) -> None:
+        """Records were acknowledged (`Consumer.ack`): a commit is due within the interval."""
         self._acked_since_commit.set()
 
     @Service.task

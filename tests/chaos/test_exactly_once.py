@@ -171,8 +171,8 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
             assert wait_until(lambda: all_answered(reader, bootstrap, topic), 60), (
                 deployment.log_tail()
             )
-            # It went on serving (what it took from the partitions that went, and had not
-            # committed, went stale), or ended where a commit's outcome stayed unknown.
+            # It went on serving, or ended as it must when its partitions went before
+            # what it took from them was committed (exit 70).
             assert stop_worker(zombie) in (0, 70), deployment.log_tail()
     finally:
         reader.stop()
@@ -183,15 +183,13 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
 def test_exactly_once_a_broker_crash_ends_in_answers_or_an_exit_and_each_input_once(
     chaos_deploy, kafka, sample_assets, runtime
 ):
-    """The broker killed for longer than the group session under exactly-once. The
-    worker answers again once the broker is back: its partitions went with its lapsed
-    session, and what it had not committed of them goes stale and is answered once,
-    from the committed offsets (before, it ended, exit 70, in every Faust run and every
-    bare run with an instance id). An exit 70 is still allowed (a commit whose outcome
-    stays unknown); the worker is then started again, as a supervisor would. It never
-    hangs: before librdkafka's send_offsets_to_transaction was given up on past its
-    timeout, a bare worker waited on it for good in three runs of five. Either way a
-    read_committed reader sees each input answered once."""
+    """The broker killed for longer than the group session under exactly-once. A worker
+    that kept its partitions answers again once the broker is back; one whose partitions
+    were revoked with answers not yet committed ends (exit 70) rather than commit them
+    under a new generation, and is started again, as a supervisor would. Neither hangs:
+    before librdkafka's send_offsets_to_transaction was given up on past its timeout, a
+    bare worker waited on it for good in three runs of five. Either way a read_committed
+    reader sees each input answered once."""
     deployment = chaos_deploy(runtime, delivery="exactly_once", instance_id="worker-1")
     bootstrap = kafka.bootstrap_servers
     topic = deployment.spec.input_topic
