@@ -194,9 +194,6 @@ class KafkaBroker(LocalService):
                 "offsets.topic.num.partitions=4",
                 "transaction.state.log.replication.factor=1",
                 "transaction.state.log.min.isr=1",
-                # Abort a transaction open past its timeout (a crashed worker's) within a
-                # second of it, not up to 10 s later: its partitions' readers wait on it.
-                "transaction.abort.timed.out.transaction.cleanup.interval.ms=1000",
                 "share.coordinator.state.topic.replication.factor=1",
                 "group.initial.rebalance.delay.ms=0",
                 "log.retention.hours=24",

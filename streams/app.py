@@ -471,7 +471,7 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
             heap.settle_heap()
             asyncio.run(
                 BareConsumer(
-                    config, make_runner, health, transactions,
+                    config, make_runner, health, transactions, exit_on_fatal,
                     answered_before=answered_before_check(config, catalogue),
                 ).serve()
             )  # fmt: skip

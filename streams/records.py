@@ -24,9 +24,6 @@ class InputRecord(NamedTuple):
     key: bytes | None
     value: bytes | None
     headers: Sequence[tuple[str, bytes]] = ()
-    epoch: int = 0
-    """The times its partition had left this worker when it was read
-    (`streams/assignments.py`): a record of an earlier count is stale."""
 
 
 @dataclass(frozen=True)

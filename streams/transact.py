@@ -21,37 +21,34 @@ one begun while Kafka still writes the last one's markers is refused
 (CONCURRENT_TRANSACTIONS) and librdkafka retries only 20 ms later.
 
 Fencing. The group coordinator takes offsets only from a member of the group's current
-generation: a worker that lost its partitions (frozen past its session, cut off from the
-group) cannot commit answers to inputs another worker owns now; its transaction aborts,
-and when it writes its batches again with the group's new generation, the records read
-before their partitions left are left out (stale: `streams/assignments.py`), so they are
-answered once, by their next owner. The new owner reads the committed offsets with
-`require_stable` (librdkafka does under read_committed, its default; the Faust runtime
-reads them with librdkafka too), so it waits for a transaction still open on its
-partitions to end instead of reading past it. The transactional id is
+generation: a worker that lost its partitions (frozen past its session, cut off from
+the group) cannot commit answers to inputs another worker owns now; its transaction
+aborts. The new owner reads the committed offsets with `require_stable` (librdkafka
+does under read_committed, its default; the Faust runtime reads them with librdkafka
+too), so it waits for a transaction still open on its partitions to end instead of
+reading past it. The transactional id is
 `<app_id>.<broker.instance_id>` with static membership: a restarted worker aborts its
-predecessor's open transaction at once and fences it, should it still be alive (it ends,
-exit 70). Without an instance id it is unique per process, and a crashed worker's open
-transaction blocks its partitions until Kafka aborts it (`transaction.timeout.ms`, 15 s,
-plus up to the broker's cleanup interval, 10 s by default).
+predecessor's open transaction at once and fences it, should it still be alive (it
+ends, exit 70). Without an instance id it is unique per process, and a crashed worker's
+open transaction blocks its partitions until Kafka aborts it (`transaction.timeout.ms`,
+15 s, plus up to the broker's cleanup interval, 10 s by default).
 
 Failures. A record Kafka refuses aborts the transaction; the topics' limits are read
 again and the records are written anew on a new producer, one at a time, so that the
 record at fault fails alone and is replaced by its dead letter (`streams/outgoing.py`).
-A transaction Kafka aborted for its age (open past `transaction.timeout.ms`, as through
-an outage) leaves its producer fenced, with nothing of it committed: a new producer
-writes its batches again. A transaction that fails for the group's sake (a rebalance
-moved the generation on, or the consumer joined again under its instance id with a new
-member id) is aborted and written again with the consumer's current group metadata.
-Anything else (a broker away) aborts it and it is written again after a backoff, the
-same batches in the same order (so no later batch passes an earlier one);
-TransactionFailed when that does not help for ~15 s, TransactionFenced on a fatal error
-(this producer fenced by a newer one). Both end the worker (exit 70) without committing
-anything more. A transactional call that does not return `STUCK_GRACE_S` after its own
-timeout (a known librdkafka fault after a broker outage) is left behind on its thread: a
-new producer takes over and the attempt counts as failed. Not so a commit: one whose
-outcome stays unknown (timed out three times, or never returned) may have committed, so
-it ends the worker (TransactionFailed) instead of writing its batches again."""
+A transaction that fails for the group's sake (a rebalance moved the generation on, or
+the consumer joined again under its instance id with a new member id) is aborted and
+written again with the consumer's current group metadata. Anything else (a broker
+away) aborts it and it is written again after a backoff, the same batches in the same
+order (so no later batch passes an earlier one); TransactionFailed when that
+does not help for ~15 s, TransactionFenced on a fatal error (this producer fenced by a
+newer one). Both end the worker (exit 70) without committing anything more. A
+transactional call that does not return `STUCK_GRACE_S` after its own timeout (a known
+librdkafka fault after a broker outage) is left behind on its thread: a new producer
+takes over and the attempt counts as failed. Not so a commit: one whose outcome stays
+unknown (timed out three times, or never returned) may have committed, so it ends the
+worker (TransactionFailed) instead of writing its batches again.
+"""
 
 from __future__ import annotations
 
@@ -61,14 +58,13 @@ import logging
 import queue
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
-from streams.assignments import Assignments
+from schemas.errors import HeadraceError
 from streams.config import BrokerConfig, HeadraceConfig
 from streams.errors import PublishError, TransactionFailed, TransactionFenced
 from streams.outgoing import TOO_LARGE, UNPUBLISHABLE, Outgoing, wire_bytes
@@ -192,6 +188,18 @@ def group_metadata(
                      member_id.encode() + b"\0", instance))  # fmt: skip
 
 
+class UnfinishedRevoke(HeadraceError):
+    """Partitions were revoked before the transactions of everything taken from them were
+    committed: committing those later could repeat the answers of their next owner."""
+
+    def __init__(self, left: int, partitions: Sequence[tuple[str, int]]) -> None:
+        where = ", ".join(f"{topic}[{partition}]" for topic, partition in partitions)
+        super().__init__(
+            f"{where} revoked with {left} records not yet committed: ending without "
+            "committing them, so that their next owner answers them once"
+        )
+
+
 class TransactionalPublisher(Publisher):
     """`await publish(batch)` returns once the batch's records and its input offsets are
     committed, in one transaction with the batches handed over while the last one
@@ -246,24 +254,16 @@ class TransactionalPublisher(Publisher):
                 "transaction.state.log.replication.factor=1, transaction.state.log.min.isr=1)"
             ) from exc
         self._group_metadata: GroupMetadata | None = None
-        self._assignments: Assignments | None = None
         self._metadata: bytes | None = None
         # Batches handed over, each with the future its transaction's end settles.
         self._waiting: list[tuple[Outgoing, asyncio.Future[None]]] = []
         self._one_at_a_time = asyncio.Lock()
         self._open = False
         self._ended_at = 0.0
-        # When the open transaction began (monotonic), and whether Kafka aborted one for
-        # its age, which leaves this producer fenced: a successor takes over.
-        self._begun_at: float | None = None
-        self._aged_out = False
 
-    def attach(self, group_metadata: GroupMetadata, assignments: Assignments | None = None) -> None:
-        """Where to read the consumer's group metadata (the consumer's poll thread), and
-        the consumer's count of its partitions' assignments: records read before their
-        partition left are left out of every later transaction."""
+    def attach(self, group_metadata: GroupMetadata) -> None:
+        """Where to read the consumer's group metadata (the consumer's poll thread)."""
         self._group_metadata = group_metadata
-        self._assignments = assignments
 
     async def publish(self, batch: Outgoing) -> None:
         """Commit the batch's records (each itself, or a dead letter in its place) with
@@ -292,10 +292,11 @@ class TransactionalPublisher(Publisher):
                 other.set_result(None)
 
     async def _commit_with_retries(self, batches: list[Outgoing]) -> None:
+        offsets = next_offsets(record for batch in batches for record in batch.inputs)
         size = sum(len(batch) for batch in batches)
         for attempt, delay_s in enumerate((*self._retry_delays_s, None), start=1):
             try:
-                return await self._transact(batches)
+                return await self._transact(batches, offsets)
             except PublishError as exc:
                 if delay_s is None:
                     raise TransactionFailed(
@@ -305,11 +306,9 @@ class TransactionalPublisher(Publisher):
                             size, attempt, exc)  # fmt: skip
                 await asyncio.sleep(delay_s)
 
-    async def _transact(self, batches: list[Outgoing]) -> None:
-        """One attempt: the records of `batches` and their inputs' offsets in a
-        transaction, written again at once where that can help, without the records of
-        partitions that left this worker since they were read (stale: their next owner
-        answers them). PublishError where only time can.
+    async def _transact(self, batches: list[Outgoing], offsets: list[TopicPartition]) -> None:
+        """One attempt: the records of `batches` and `offsets` in a transaction, written
+        again at once where that can help. PublishError where only time can.
 
         The offsets go to the transaction while the records are on their way; the
         commit waits for their delivery reports here, since librdkafka's own wait (in
@@ -321,16 +320,7 @@ class TransactionalPublisher(Publisher):
             # Membership first: a worker waiting to be a member again (its session
             # lapsed) must not hold a transaction open meanwhile, which would hide every
             # later answer on its output partitions from read_committed readers.
-            if self._aged_out:
-                await self._replace(self._current, read_limits=False)
-                self._aged_out, self._open = False, False
             metadata = await self._member_metadata()
-            # Read after the metadata: a new generation's comes after the records of the
-            # partitions that left went stale (`streams/assignments.py`).
-            records = self._live(batches)
-            if not records:
-                return  # every record's partition left: nothing of them is committed
-            offsets = next_offsets(batches[position].inputs[index] for position, index in records)
             await self._settle()
             current = self._current
             for batch in batches:
@@ -338,8 +328,7 @@ class TransactionalPublisher(Publisher):
                 batch.delivered[:] = [False] * len(batch)
             self._call(current.producer.begin_transaction)
             self._open = True
-            self._begun_at = time.monotonic()
-            failures, reports = await self._send(current, batches, records, one_by_one)
+            failures, reports = await self._send(current, batches, one_by_one)
             commit_error = None
             if not failures:
                 try:
@@ -402,35 +391,14 @@ class TransactionalPublisher(Publisher):
                 first = commit_error or failures[min(failures)]
                 raise PublishError(f"the transaction was aborted: {first.str()}")
 
-    def _live(self, batches: list[Outgoing]) -> list[Where]:
-        """Every record of `batches`, in order, but those whose input is stale."""
+    async def _send(
+        self, current: _Producer, batches: list[Outgoing], one_by_one: bool
+    ) -> tuple[dict[Where, KafkaError], Reports]:
+        """Produce every record of `batches` in order. Returns the failures so far and
+        what waits for the other records' reports (call it once); with `one_by_one`, each record's
+        report is waited for before the next is sent, and the first failure ends it."""
         records = [(position, index) for position, batch in enumerate(batches)
                    for index in range(len(batch))]  # fmt: skip
-        if self._assignments is None:
-            return records
-        stale = self._assignments.stale
-        live, gone = [], set()
-        for position, index in records:
-            record = batches[position].inputs[index]
-            if stale(record):
-                gone.add((record.topic, record.partition))
-            else:
-                live.append((position, index))
-        if gone:
-            log.warning(
-                "%d records of %s, read before their partitions left this worker, are left "
-                "out of the transaction, uncommitted: their next owner answers them",
-                len(records) - len(live), ", ".join(f"{t}[{p}]" for t, p in sorted(gone)),
-            )  # fmt: skip
-        return live
-
-    async def _send(
-        self, current: _Producer, batches: list[Outgoing], records: list[Where], one_by_one: bool
-    ) -> tuple[dict[Where, KafkaError], Reports]:
-        """Produce `records` of `batches` in order. Returns the failures so far and what
-        waits for the other records' reports (call it once); with `one_by_one`, each
-        record's report is waited for before the next is sent, and the first failure
-        ends it."""
         if not one_by_one:
             return self._produce_records(current, batches, records)
         for record in records:
@@ -604,25 +572,12 @@ class TransactionalPublisher(Publisher):
             raise
 
     def _check_fatal(self, error: KafkaError) -> None:
-        if not (
-            error.fatal() or error.code() in (KafkaError._FENCED, KafkaError.FENCED_INSTANCE_ID)
-        ):
-            return
-        open_s = time.monotonic() - self._begun_at if self._open and self._begun_at else 0.0
-        if error.code() == KafkaError._FENCED and open_s > TRANSACTION_TIMEOUT_MS / 1000:
-            # Kafka aborts a transaction open past `transaction.timeout.ms` (one that
-            # waited out a broker outage) and bumps the producer's epoch, which fences
-            # it: nothing of it was committed, so a successor writes its batches again.
-            self._aged_out = True
-            raise PublishError(
-                f"Kafka aborted a transaction open for {open_s:.0f} s, past "
-                f"transaction.timeout.ms ({error.str()}); a new producer takes over"
+        if error.fatal() or error.code() in (KafkaError._FENCED, KafkaError.FENCED_INSTANCE_ID):
+            raise TransactionFenced(
+                f"the transactional producer {self.transactional_id!r} can write no more "
+                f"({error.str()}): a newer worker with this id (or with this worker's "
+                "broker.instance_id) took over; nothing more is committed"
             )
-        raise TransactionFenced(
-            f"the transactional producer {self.transactional_id!r} can write no more "
-            f"({error.str()}): a newer worker with this id (or with this worker's "
-            "broker.instance_id) took over; nothing more is committed"
-        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort a transaction left open (a stop while a batch failed), then as

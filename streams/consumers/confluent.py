@@ -18,11 +18,9 @@ It exists to measure what Faust costs and as a leaner choice (`runtime: bare`).
 
 With `delivery: exactly_once` nothing is stored or committed here: each batch's offsets
 go into the transaction that writes its outcomes (`streams/transact.py`), sent with the
-consumer's group metadata, which the poll thread reads for the publisher. Each record
-handed over is stamped with its partition's assignment count (`streams/assignments.py`):
-a partition that goes before the transactions of what was handed over from it are
-committed leaves those records stale, and no later transaction commits them (their
-next owner answers them); the worker goes on.
+consumer's group metadata, which the poll thread reads for the publisher. A partition
+revoked before the transactions of what was handed over from it are committed ends
+the worker (exit 70): committing them later could repeat its next owner's answers.
 """
 
 from __future__ import annotations
@@ -35,12 +33,12 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 from infra.kafka_clients import client_settings
-from streams.assignments import Assignments
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.drain import DrainDeadline
@@ -50,7 +48,7 @@ from streams.publish import DEFAULT_PRODUCER_CONFIG
 from streams.records import InputRecord
 from streams.replay import AnsweredBefore
 from streams.runner import MakeRunner, PipelineRunner
-from streams.transact import TransactionalPublisher
+from streams.transact import TransactionalPublisher, UnfinishedRevoke
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +64,6 @@ LOST_WAIT_S = DEFAULT_PRODUCER_CONFIG["delivery.timeout.ms"] / 1000 + 5
 BUSY_POLL_S = 0.05
 IDLE_POLL_S = 0.2
 
-# What the runners hand back for each record: topic, partition, offset, and the count of
-# its partition's assignments it was read under (`streams/assignments.py`).
-Handle = tuple[str, int, int, int]
-
 
 class BareConsumer:
     """Consumes the pipelines' input topics and dispatches records to their runners."""
@@ -80,6 +74,7 @@ class BareConsumer:
         make_runner: MakeRunner,
         health: Health,
         transactions: TransactionalPublisher | None = None,
+        on_fatal: Callable[[BaseException, Sequence[InputRecord]], NoReturn] | None = None,
         answered_before: AnsweredBefore | None = None,
     ) -> None:
         bootstrap, timeout_s = config.broker.bootstrap_servers, config.broker.connect_timeout_s
@@ -116,9 +111,7 @@ class BareConsumer:
         # Per input topic, owned by the poll thread: records handed over, not yet acked.
         self._handed_over: dict[str, int] = {}
         # The same per partition: what a revoked partition must finish before it goes.
-        # Only records of its current assignment count (a stale record's ack does not).
         self._unwritten: Counter[tuple[str, int]] = Counter()
-        self._assignments = Assignments()
         self._revoke_timeout_s = config.broker.session_timeout_ms / 1000
         self._bounds: dict[str, tuple[int, int]] = {}
         # Input topics at their in-flight bound, and those paused in librdkafka for it
@@ -142,11 +135,12 @@ class BareConsumer:
         self._health = health
         self._drain_timeout_s = config.drain_timeout_s
         self._transactions = transactions
+        self._on_fatal = on_fatal
         self._answered_before = answered_before
         # Whether the poll thread runs `_calls` (else they run where they are made).
         self._polling = True
         if transactions is not None:
-            transactions.attach(self.group_metadata, self._assignments)
+            transactions.attach(self.group_metadata)
         # Consumer calls from the loop thread, run by the poll thread between polls.
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 
@@ -217,9 +211,7 @@ class BareConsumer:
                 if not message.error():
                     self._handed_over[message.topic()] += 1
                     self._unwritten[(message.topic(), message.partition())] += 1
-            # Stamped as read: a partition may leave before the loop takes them.
-            epochs = self._assignments.current()
-            loop.call_soon_threadsafe(self._dispatch, messages, epochs)
+            loop.call_soon_threadsafe(self._dispatch, messages)
         self._run_queued_calls()
 
     def _apply_bounds(self) -> None:
@@ -254,7 +246,7 @@ class BareConsumer:
                 return
             call()
 
-    def _dispatch(self, messages: list[Message], epochs: Mapping[tuple[str, int], int]) -> None:
+    def _dispatch(self, messages: list[Message]) -> None:
         by_topic: dict[str, list[Message]] = {}
         for message in messages:
             if message.error():
@@ -262,25 +254,26 @@ class BareConsumer:
                 continue
             by_topic.setdefault(message.topic(), []).append(message)
         for topic, batch in by_topic.items():
-            records = [_input_record(m, epochs) for m in batch]
+            records = [_input_record(m) for m in batch]
             self._progress[topic].read(records)
             self._runners[topic].submit(
-                records, [(r.topic, r.partition, r.offset, r.epoch) for r in records]
+                records, [(r.topic, r.partition, r.offset) for r in records]
             )
 
-    def _store_offsets(self, handles: list[Handle]) -> None:
-        """Queue the next offset of each partition of a written batch (handles are in
-        order), but of records whose partition left since they were read (stale)."""
+    def _store_offsets(self, handles: list[tuple[str, int, int]]) -> None:
+        """Queue the next offset of each partition of a written batch (handles are in order)."""
+        latest: dict[tuple[str, int], int] = {}
+        for topic, partition, offset in handles:
+            latest[(topic, partition)] = offset
+        offsets = [TopicPartition(t, p, o + 1) for (t, p), o in latest.items()]
         topic = handles[0][0]
-        self._progress[topic].answered(_latest(self._current(handles)))
+        self._progress[topic].answered(latest)
 
-        def store() -> None:  # on the poll thread, where partitions leave: no race
+        def store() -> None:
             self._handed_over[topic] -= len(handles)
-            current = self._current(handles)
-            self._unwritten.subtract((t, p) for t, p, _, _ in current)
-            if self._transactions is not None or not current:
-                return  # committed in the batch's transaction, or stale
-            offsets = [TopicPartition(t, p, o + 1) for (t, p), o in _latest(current).items()]
+            self._unwritten.subtract((t, p) for t, p, _ in handles)
+            if self._transactions is not None:
+                return  # committed in the batch's transaction
             try:
                 self._consumer.store_offsets(offsets=offsets)
             except KafkaException as exc:
@@ -288,11 +281,6 @@ class BareConsumer:
                 log.warning("could not store offsets %s: %s", offsets, exc)
 
         self._calls.put(store)
-
-    def _current(self, handles: list[Handle]) -> list[Handle]:
-        """The handles of records read under their partition's current assignment."""
-        epoch = self._assignments.epoch
-        return [handle for handle in handles if handle[3] == epoch(handle[0], handle[1])]
 
     def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Poll thread, inside `poll`, before any record of `partitions` is returned:
@@ -330,15 +318,15 @@ class BareConsumer:
         offsets from a member it dropped, and this one cannot rejoin while it waits
         here, so only a transaction whose offsets the group took before that can still
         commit. Wait half a session for it (as the Faust runtime waits on a revoke);
-        what is left goes stale before the consumer rejoins, so no retry commits those
-        partitions' offsets under a later generation (`streams/assignments.py`)."""
+        what is left ends the worker (exit 70) before it rejoins, so no retry commits
+        those partitions' offsets under a later generation while another member owns
+        them."""
         eos = self._transactions is not None
         self._finish(partitions, self._revoke_timeout_s / 2 if eos else LOST_WAIT_S)
 
     def _finish(self, partitions: list[TopicPartition], timeout_s: float) -> None:
         """Wait up to `timeout_s` for what was handed over from `partitions` to be
-        written, running the loop's queued calls (acks) meanwhile; then what was read
-        from them is stale: never committed, nor counted as unwritten, from here on."""
+        written, running the loop's queued calls (acks) meanwhile."""
         self._health.revoked()
         revoked = [(tp.topic, tp.partition) for tp in partitions]
         self._give_up_held(revoked)
@@ -348,14 +336,11 @@ class BareConsumer:
             with contextlib.suppress(queue.Empty):
                 self._calls.get(timeout=0.05)()
         left = sum(max(0, self._unwritten[tp]) for tp in revoked)
+        if left and self._transactions is not None and self._on_fatal is not None:
+            self._on_fatal(UnfinishedRevoke(left, revoked), [])
         if left:
-            log.warning(
-                "%d records of revoked partitions not %s in time: their next owner "
-                "answers them%s", left,
-                "committed" if self._transactions is not None else "written",
-                "" if self._transactions is not None else " again",
-            )  # fmt: skip
-        self._assignments.leave(revoked)
+            log.warning("%d records of revoked partitions not written in time: their "
+                        "next owner answers them again", left)  # fmt: skip
         for tp in revoked:
             del self._unwritten[tp]
 
@@ -393,11 +378,10 @@ class BareConsumer:
             except TimeoutError:
                 log.warning("records held for the registry not given up in time")
 
-    def _forget(self, handles: list[Handle]) -> None:
+    def _forget(self, handles: list[tuple[str, int, int]]) -> None:
         """Count records given up (unanswered, unacknowledged) as no longer handed over."""
-        for topic, _, _, _ in handles:
+        for topic, partition, _ in handles:
             self._handed_over[topic] -= 1
-        for topic, partition, _, _ in self._current(handles):
             self._unwritten[(topic, partition)] -= 1
 
     def _pause(self, topic: str, paused: bool) -> None:
@@ -427,20 +411,13 @@ class BareConsumer:
         self._calls.put(hold)
 
 
-def _input_record(message: Message, epochs: Mapping[tuple[str, int], int]) -> InputRecord:
-    topic, partition = message.topic(), message.partition()
+def _input_record(message: Message) -> InputRecord:
     return InputRecord(
-        topic=topic,
-        partition=partition,
+        topic=message.topic(),
+        partition=message.partition(),
         offset=message.offset(),
         timestamp_ms=message.timestamp()[1],
         key=message.key(),
         value=message.value(),
         headers=message.headers() or (),
-        epoch=epochs.get((topic, partition), 0),
     )
-
-
-def _latest(handles: list[Handle]) -> dict[tuple[str, int], int]:
-    """The last offset of each partition among `handles` (in offset order per partition)."""
-    return {(topic, partition): offset for topic, partition, offset, _ in handles}

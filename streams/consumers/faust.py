@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import faust
-from faust.types import TP
+from faust.types import TP, Message
 
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
@@ -45,9 +44,7 @@ from streams.logs import faust_json_logging
 from streams.records import InputRecord
 from streams.replay import AnsweredBefore
 from streams.runner import MakeRunner, PipelineRunner
-from streams.transact import TransactionalPublisher
-
-log = logging.getLogger(__name__)
+from streams.transact import TransactionalPublisher, UnfinishedRevoke
 
 
 def serve(
@@ -188,7 +185,7 @@ def _commit_in_transactions(
 ) -> None:
     """Exactly-once: offsets go in the batches' transactions, sent with aiokafka's group
     metadata; Faust seeks to stable offsets and commits nothing itself; a rebalance
-    waits for what was taken to be committed, and what is not by then goes stale."""
+    waits for what was taken to be committed, or ends the worker."""
     read_stable = StableOffsets(config.app_id, config.broker)
 
     def stable_offsets(partitions: Iterable[tuple[str, int]]) -> Mapping[tuple[str, int], int]:
@@ -202,21 +199,23 @@ def _commit_in_transactions(
     async def read_group_metadata() -> bytes:
         return aiokafka_group_metadata(app.consumer._thread._ensure_consumer())
 
-    transactions.publisher.attach(read_group_metadata, app.assignments)
+    transactions.publisher.attach(read_group_metadata)
+
+    def unfinished(messages: list[Message]) -> None:
+        partitions = sorted({(m.topic, m.partition) for m in messages})
+        transactions.on_fatal(UnfinishedRevoke(len(messages), partitions), [])
+
+    app.on_unfinished = unfinished
 
     @app.on_partitions_revoked.connect
-    async def finish_before_rebalance(_app, revoked, **_kwargs) -> None:
+    async def finish_before_rebalance(_app, _revoked, **_kwargs) -> None:
         # After Faust's wait for what the agents took (`BulkConsumer.wait_empty`): the
-        # chunks still queued for them are answered and committed too, or go stale with
-        # their partitions, before aiokafka joins the group again (a new generation).
+        # chunks still queued for them are answered and committed too, or the worker ends.
         with contextlib.suppress(TimeoutError):
             await app.settle(timeout_s=app.conf.broker_session_timeout / 2)
         left = app.unfinished()
-        app.assignments.leave((tp.topic, tp.partition) for tp in revoked)
         if left:
-            where = sorted({f"{m.topic}[{m.partition}]" for m in left})
-            log.warning("%d records of revoked partitions %s not committed in time: their "
-                        "next owner answers them", len(left), ", ".join(where))  # fmt: skip
+            unfinished(left)
 
 
 def _add_agent(
@@ -260,8 +259,8 @@ def _add_agent(
         health.serving(asyncio.get_running_loop(), lambda: runner.unanswered)
         try:
             while True:
-                messages, epochs = await app.take(input_topic)
-                records = [_input_record(message, epochs) for message in messages]
+                messages = await app.take(input_topic)
+                records = [_input_record(message) for message in messages]
                 if checks is not None and checks.pending:
                     await checks.wait(records)
                 progress.read(records)
@@ -310,16 +309,14 @@ class _AssignmentChecks:
         self.pending = {where: check for where, check in self.pending.items() if not check.done()}
 
 
-def _input_record(message, epochs: Mapping[tuple[str, int], int]) -> InputRecord:
-    topic, partition = message.topic, message.partition
+def _input_record(message) -> InputRecord:
     return InputRecord(
-        topic=topic,
-        partition=partition,
+        topic=message.topic,
+        partition=message.partition,
         offset=message.offset,
         # Faust reports the Kafka timestamp in (float) seconds.
         timestamp_ms=round(message.timestamp * 1000),
         key=message.key,
         value=message.value,
         headers=message.headers or (),
-        epoch=epochs.get((topic, partition), 0),
     )

@@ -37,7 +37,6 @@ from faust.utils import terminal
 from mode import Service
 from mode.utils.futures import maybe_async
 
-from streams.assignments import Assignments
 from streams.consumers import aiokafka_closed
 
 # Chunks waiting for an agent: one being fetched while one is handed over.
@@ -272,11 +271,8 @@ class BulkConsumer(faust_aiokafka.Consumer):
                     else:
                         others.append(message)
                 self._thread.fetched(fetched)
-                # Stamped as fetched: aiokafka returns only records of the current
-                # assignment, and a revoke may come while a chunk waits for its agent.
-                epochs = self.app.assignments.current()
                 for topic, messages in chunks.items():
-                    await feeds[topic].put((messages, epochs))
+                    await feeds[topic].put(messages)
                 for message in others:
                     await self.callback(message)
                 await self._commit_if_due()
@@ -317,17 +313,16 @@ class BulkConsumer(faust_aiokafka.Consumer):
         for give_up in self.app.holders:
             self._unacked_messages.difference_update(await give_up())
         self._to_pause = frozenset()  # nothing is held now; Faust resumes what it paused
-        if self.app.stable_offsets is None:
+        unfinished = self.app.on_unfinished
+        if unfinished is None:
             return await super().wait_empty()
         # Exactly-once: an ack is a committed transaction, which a worker whose group
-        # moved on cannot make before the rebalance, and Faust's wait has no end (nor
-        # can it be cancelled). What is still unacknowledged after half a session goes
-        # stale with its partitions (`faust._commit_in_transactions`).
+        # moved on never makes, and Faust's wait has no end (nor can it be cancelled).
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.app.conf.broker_session_timeout / 2
         while self._unacked_messages and not self.should_stop:
             if loop.time() > deadline:
-                return
+                return unfinished(list(self._unacked_messages))
             await asyncio.sleep(0.005)  # acks come as transactions commit
 
     async def _commit_if_due(self) -> None:
@@ -341,9 +336,7 @@ class BulkTransport(faust_aiokafka.Transport):
     Consumer = BulkConsumer
 
 
-Chunk = tuple[list[Message], Mapping[tuple[str, int], int]]
-"""A fetch's records of one topic, and the assignment counts they were read under
-(`streams/assignments.py`)."""
+Unfinished = Callable[[list[Message]], None]
 ReadStable = Callable[[Iterable[tuple[str, int]]], Mapping[tuple[str, int], int]]
 """(topic, partition) -> committed offset, as `faust_transactions.StableOffsets` reads them."""
 
@@ -365,8 +358,9 @@ class FeedApp(faust.App):
         self.stable_offsets: ReadStable | None = None
         """With exactly-once delivery: what reads the offsets Faust seeks to after an
         assignment; Faust then commits nothing itself (`faust_transactions`)."""
-        self.assignments = Assignments()
-        """How many times each input partition left this worker: stamped on each chunk."""
+        self.on_unfinished: Unfinished | None = None
+        """With exactly-once delivery: what ends the worker when records it took are not
+        committed by the time their partitions must go (given those records)."""
 
     def add_feed(self, topic: faust.types.TopicT) -> None:
         """Deliver `topic`'s records to `take` instead of a stream; subscribes to it."""
@@ -377,13 +371,13 @@ class FeedApp(faust.App):
             # topic when first iterated; a fed agent never iterates its stream).
             self.topics.add(topic)
 
-    async def take(self, topic: str) -> Chunk:
+    async def take(self, topic: str) -> list[Message]:
         """The next chunk of `topic`'s records, tracked as unacked from here on. Chunks
         still queued at a stop were never taken: nothing commits them, and the next
         owner of their partitions reads them again."""
-        chunk = await self.feeds[topic].get()
-        self.consumer.track(chunk[0])
-        return chunk
+        messages = await self.feeds[topic].get()
+        self.consumer.track(messages)
+        return messages
 
     async def settle(self, timeout_s: float) -> None:
         """Until every chunk already fetched was taken by its agent and acknowledged
@@ -400,8 +394,8 @@ class FeedApp(faust.App):
 
     def unfinished(self) -> list[Message]:
         """Records fetched and not yet acknowledged: queued for an agent, or taken."""
-        queued = [message for feed in self.feeds.values() for messages, _ in feed._queue
-                  for message in messages]  # fmt: skip
+        queued = [message for feed in self.feeds.values() for chunk in feed._queue
+                  for message in chunk]  # fmt: skip
         return queued + list(self.consumer._unacked_messages)
 
     def _new_transport(self) -> BulkTransport:

@@ -22,10 +22,9 @@ consumer that read them. Three things differ, because aiokafka consumes:
 
 On a rebalance Faust waits for every record the agents took to be acknowledged, which
 here means committed in a transaction; records still unacknowledged after half a
-session when the partitions must go are left stale (`streams/assignments.py`, as on
-the bare runtime): no later transaction commits them, since that could repeat the
-answers of their next owner. The waits are `faust_feed.BulkConsumer.wait_empty` and
-`faust._commit_in_transactions`.
+session when the partitions must go end the worker (exit 70, as on the bare runtime):
+committing them later could repeat the answers of their next owner. The waits are
+`faust_feed.BulkConsumer.wait_empty` and `faust._commit_in_transactions`.
 """
 
 from __future__ import annotations

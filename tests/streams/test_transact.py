@@ -31,7 +31,6 @@ from confluent_kafka import (
 
 from infra.topics import delete_topics
 from streams import transact
-from streams.assignments import Assignments
 from streams.config import BrokerConfig
 from streams.consumers import faust_transactions
 from streams.consumers.faust_transactions import StableOffsets, UnstableOffsets
@@ -307,70 +306,6 @@ def test_offsets_of_a_static_member_fenced_by_its_own_rejoin_are_written_again(
     assert answers == ([b"a", b"b", b"c"] if rejoined else [])
     nothing = dict.fromkeys(range(3), OFFSET_INVALID)
     assert committed(again, topics["in"]) == ({0: 1, 1: 2, 2: 3} if rejoined else nothing)
-
-
-def one_answer(
-    topics: dict[str, str], partition: int, offset: int, value: bytes, epoch: int
-) -> Outgoing:
-    key = b"k%d" % partition
-    source = InputRecord(topics["in"], partition, offset, 0, key, b"input", epoch=epoch)
-    return Outgoing([OutRecord(topics["out"], key, value)], [source], "fraud", topics["dlq"])
-
-
-def test_records_read_before_their_partition_left_are_never_committed(kafka, topics, member):
-    """A partition that left the worker (revoked, or lost with its session) while answers
-    to it were uncommitted: those answers and their offsets stay out of every later
-    transaction, while the other partitions' go on; records read again under its next
-    assignment commit as usual. Before, the worker had to end (exit 70)."""
-    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
-    consumer = member(group, topics["in"])
-    assignments = Assignments()
-    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}")
-    try:
-        built.attach(metadata_of(consumer), assignments)
-        read_before = batch(topics, [b"a", b"b", b"c", b"d", b"e", b"f"])  # partitions 0,1,2,0,1,2
-        assignments.leave([(topics["in"], 1)])
-        publish(built, read_before)
-        publish(built, one_answer(topics, 1, 4, b"e again, still stale", epoch=0))
-        read_again = one_answer(topics, 1, 1, b"b again", epoch=1)
-        publish(built, read_again)
-    finally:
-        built.stop()
-    answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_uncommitted"))
-    assert answers == [b"a", b"b again", b"c", b"d", b"f"]
-    assert committed(consumer, topics["in"]) == {0: 4, 1: 2, 2: 6}
-
-
-def test_a_transaction_kafka_aborted_for_its_age_is_written_again_by_a_new_producer(
-    kafka, topics, member, monkeypatch
-):
-    """A transaction open past `transaction.timeout.ms` (one that waited out a broker
-    outage) is aborted by Kafka, which fences its producer: that is no newer worker
-    taking over, so a new producer writes the batch again, once (before, the worker
-    took itself for a zombie and ended, exit 70)."""
-    monkeypatch.setattr(transact, "TRANSACTION_TIMEOUT_MS", 2_000)
-    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
-    consumer = member(group, topics["in"])
-    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", retry_delays_s=[0.1])
-    send, held = built._send, []
-
-    async def held_open_the_first_time(*args, **kwargs):
-        sent = await send(*args, **kwargs)
-        if not held:  # past the timeout and the broker's abort scan (every second here)
-            held.append(built._current)
-            await asyncio.sleep(6)
-        return sent
-
-    monkeypatch.setattr(built, "_send", held_open_the_first_time)
-    try:
-        built.attach(metadata_of(consumer))
-        publish(built, batch(topics, [b"a", b"b", b"c"]))
-    finally:
-        built.stop()
-    assert held and built._current is not held[0], "a new producer wrote it"
-    answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
-    assert answers == [b"a", b"b", b"c"]
-    assert committed(consumer, topics["in"]) == {0: 1, 1: 2, 2: 3}
 
 
 def test_a_publisher_waiting_to_be_a_member_again_holds_no_transaction_open(kafka, topics, member):
