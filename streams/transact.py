@@ -122,6 +122,9 @@ _GROUP_MOVED = frozenset(
     }
 )
 
+# Offsets refused for a member id the instance id no longer has (`_rejoined_since`).
+_FENCED_INSTANCE = KafkaError.FENCED_INSTANCE_ID
+
 GroupMetadata = Callable[[], Awaitable[bytes]]
 """Reads the consumer's group metadata (librdkafka's serialized form) where it is safe."""
 
@@ -338,7 +341,7 @@ class TransactionalPublisher(Publisher):
                     )  # fmt: skip
                 except KafkaException as exc:
                     commit_error = exc.args[0]
-                    if not await self._rejoined_since(commit_error, metadata):
+                    if commit_error.code() != _FENCED_INSTANCE:  # checked once aborted
                         self._check_fatal(commit_error)
             reported = commit_error is None
             if reported:
@@ -357,6 +360,9 @@ class TransactionalPublisher(Publisher):
                 return
             for error in failures.values():
                 self._check_fatal(error)
+            fenced = commit_error is not None and commit_error.code() == _FENCED_INSTANCE
+            if fenced and not await self._rejoined_since(metadata):
+                self._check_fatal(commit_error)  # another process holds the instance id
             refused = sorted(at for at, error in failures.items() if error.code() in _REFUSED)
             if refused and one_by_one and len(refused) == 1:
                 # Sent alone, after everything before it was delivered: at fault.
@@ -373,10 +379,7 @@ class TransactionalPublisher(Publisher):
                 # producer sized by them sends each record alone to find the one.
                 await self._replace(current, read_limits=True)
                 one_by_one = True
-            elif commit_error is not None and (
-                commit_error.code() in _GROUP_MOVED
-                or commit_error.code() == KafkaError.FENCED_INSTANCE_ID  # rejoined, as above
-            ):
+            elif commit_error is not None and (commit_error.code() in _GROUP_MOVED or fenced):
                 if group_attempts == _GROUP_ATTEMPTS:
                     raise PublishError(f"the group kept moving on: {commit_error.str()}")
                 # The group has a new generation (a rebalance): ask for it and retry.
@@ -448,14 +451,16 @@ class TransactionalPublisher(Publisher):
         if wait_s > 0:
             await asyncio.sleep(wait_s)
 
-    async def _rejoined_since(self, error: KafkaError, sent: bytes) -> bool:
+    async def _rejoined_since(self, sent: bytes) -> bool:
         """Whether offsets refused as FENCED_INSTANCE_ID were refused because this
         worker's own consumer joined again since `sent` was read: with static membership
         a consumer whose session lapsed (a broker outage longer than the session) comes
         back under the same instance id with a new member id, which fences the old one.
         Then the group only moved on, as after a rebalance. Otherwise another process
-        holds the instance id: this worker is the zombie (TransactionFenced)."""
-        if error.code() != KafkaError.FENCED_INSTANCE_ID or self._group_metadata is None:
+        holds the instance id: this worker is the zombie (TransactionFenced). Asked once
+        the attempt's transaction is aborted: while the consumer is still joining this
+        waits, and an open transaction would hold read_committed readers back meanwhile."""
+        if self._group_metadata is None:
             return False
         self._metadata = None
         try:
