@@ -39,6 +39,7 @@ import warnings
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter, itemgetter
@@ -240,18 +241,24 @@ class ConfluentMarks:
     `refresh()` is called by the thread that polls the consumer (a call from another
     thread would wait behind a poll), as often as it likes: it acts every `REFRESH_S`.
     The cached high-water marks and the positions are local; the broker is asked only
-    for a stale mark (see the module docstring) and, once, for the committed offset of
-    a partition assigned and idle since (librdkafka knows no position before it
-    delivers a record), each with a bounded wait."""
+    for a stale mark (see the module docstring) and for the committed offset of a
+    partition assigned and idle since (librdkafka knows no position before it delivers
+    a record). The committed offsets are asked through `ask_committed`, whose answer is
+    taken at a later refresh: under read_committed the consumer's own `committed()`
+    waits for any transaction holding a partition's offset (another worker's, until
+    Kafka ends it), and the poll thread must not wait with it."""
 
     def __init__(
         self,
         consumer: Any,
         progress: Mapping[str, InputProgress],
+        ask_committed: Callable[[list[TP]], Future[dict[TP, int]]],
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._consumer = consumer
         self._progress = progress
+        self._ask_committed = ask_committed
+        self._asked: Future[dict[TP, int]] | None = None
         self._monotonic = monotonic
         self._due_s = monotonic()
 
@@ -278,32 +285,82 @@ class ConfluentMarks:
             if tp.topic in marks:
                 _low, high = consumer.get_watermark_offsets(tp, cached=True)
                 marks[tp.topic][(tp.topic, tp.partition)] = (high, tp.offset)
+        committed = self._committed()
+        unplaced: list[TP] = []
         for topic, progress in self._progress.items():
             progress.update(marks[topic])
-            unplaced = progress.unplaced()
-            if unplaced:
-                progress.update({**marks[topic], **self._committed(unplaced)})
+            idle = progress.unplaced()
+            placed = {tp: committed[tp] for tp in idle if tp in committed}
+            if placed:
+                progress.update({**marks[topic], **placed})
+            unplaced += [tp for tp in idle if tp not in placed]
             stale = progress.stale()
             if stale:
                 asked = consumer.offsets_for_times(
                     [TopicPartition(t, p, -1) for t, p in stale], timeout=QUERY_TIMEOUT_S
                 )  # timestamp -1: the latest offset, i.e. the high-water mark
                 progress.queried({(tp.topic, tp.partition): tp.offset for tp in asked})
+        if unplaced and self._asked is None:
+            self._asked = self._ask_committed(unplaced)
 
-    def _committed(self, partitions: list[TP]) -> dict[TP, tuple[int | None, int | None]]:
+    def _committed(self) -> dict[TP, tuple[int | None, int | None]]:
+        """The marks of the partitions the last ask answered for, once it has answered
+        ({} until then, or when it failed: the next refresh asks again)."""
+        if self._asked is None or not self._asked.done():
+            return {}
+        asked, self._asked = self._asked, None
+        try:
+            offsets = asked.result()
+        except Exception as exc:  # the broker away, the group's coordinator moving
+            log.debug("committed offsets not read: %s", exc)
+            return {}
         from confluent_kafka import TopicPartition
 
         consumer = self._consumer
-        found = consumer.committed([TopicPartition(t, p) for t, p in partitions],
-                                   timeout=QUERY_TIMEOUT_S)  # fmt: skip
         marks: dict[TP, tuple[int | None, int | None]] = {}
-        for tp in found:
-            start = tp.offset
+        for (topic, partition), start in offsets.items():
+            tp = TopicPartition(topic, partition)
             if start < 0:  # nothing committed: `auto.offset.reset` is earliest
                 start, _high = consumer.get_watermark_offsets(tp, timeout=QUERY_TIMEOUT_S)
             high = consumer.get_watermark_offsets(tp, cached=True)[1]
-            marks[(tp.topic, tp.partition)] = (high, start)
+            marks[(topic, partition)] = (high, start)
         return marks
+
+
+class CommittedOffsets:
+    """A group's committed offsets, asked with the admin API: the answer is a future,
+    and it leaves out offsets an open transaction holds (`require_stable` off), where the
+    consumer's own read waits for that transaction to end. Its client is made at the
+    first ask."""
+
+    def __init__(self, settings: Mapping[str, Any], group: str) -> None:
+        self._settings = dict(settings)
+        self._group = group
+        self._admin: Any = None
+
+    def ask(self, partitions: list[TP]) -> Future[dict[TP, int]]:
+        from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+        from confluent_kafka.admin import AdminClient
+
+        if self._admin is None:
+            self._admin = AdminClient(self._settings)
+        request = ConsumerGroupTopicPartitions(
+            self._group, [TopicPartition(topic, partition) for topic, partition in partitions]
+        )
+        (answer,) = self._admin.list_consumer_group_offsets(
+            [request], require_stable=False, request_timeout=QUERY_TIMEOUT_S
+        ).values()
+        offsets: Future[dict[TP, int]] = Future()
+
+        def answered(done: Future) -> None:
+            try:
+                found = done.result().topic_partitions
+                offsets.set_result({(tp.topic, tp.partition): tp.offset for tp in found})
+            except Exception as exc:
+                offsets.set_exception(exc)
+
+        answer.add_done_callback(answered)
+        return offsets
 
 
 async def refresh_faust(consumer: Any, progress: Mapping[str, InputProgress]) -> None:

@@ -43,7 +43,7 @@ from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.drain import DrainDeadline
 from streams.health import Health
-from streams.lag import ConfluentMarks, InputProgress
+from streams.lag import CommittedOffsets, ConfluentMarks, InputProgress
 from streams.publish import DEFAULT_PRODUCER_CONFIG
 from streams.records import InputRecord
 from streams.replay import AnsweredBefore
@@ -119,7 +119,8 @@ class BareConsumer:
         self._paused: set[str] = set()
         self._fetch_paused: set[str] = set()
         self._progress = {spec.input_topic: InputProgress(spec.name) for spec in config.pipelines}
-        self._marks = ConfluentMarks(self._consumer, self._progress)
+        committed = CommittedOffsets(client_settings(bootstrap, "lag", timeout_s), config.app_id)
+        self._marks = ConfluentMarks(self._consumer, self._progress, committed.ask)
         # Partitions a runner paused (records waiting for the registry); poll thread's.
         self._held: set[tuple[str, int]] = set()
         for spec in config.pipelines:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 
 import pytest
+from confluent_kafka import TopicPartition
 from prometheus_client import REGISTRY
 
 from infra.kafka import describe_group
 from infra.ports import free_port
-from streams.lag import QUERY_AFTER_S, InputProgress
+from streams.lag import QUERY_AFTER_S, REFRESH_S, ConfluentMarks, InputProgress
 from streams.records import InputRecord
 from tests.helpers import PATIENT_BUDGET_MS, produce_events, scrape, total, wait_until
 
@@ -138,6 +140,55 @@ def test_a_lagging_mark_that_does_not_move_is_asked_of_the_broker_now_and_then()
     tracked.read(records(0, 10, 15))
     tracked.answered({("in", 0): 24})
     assert tracked.stale() == []  # caught up
+
+
+class IdleConsumer:
+    """A consumer assigned partitions it has delivered nothing from (no position yet),
+    each with 10 records; its own `committed()` would wait, so it must not be called."""
+
+    def __init__(self, partitions: list[int], topic: str = "in") -> None:
+        self._assigned = [TopicPartition(topic, partition) for partition in partitions]
+
+    def assignment(self) -> list[TopicPartition]:
+        return self._assigned
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, -1001) for tp in partitions]
+
+    def get_watermark_offsets(self, tp, timeout=None, cached=False) -> tuple[int, int]:
+        return 0, 10
+
+    def committed(self, *_args, **_kwargs):
+        raise AssertionError("the poll thread waited on the consumer's committed offsets")
+
+
+def test_idle_partitions_committed_offsets_are_asked_and_their_answer_taken_later():
+    tracked, _, monotonic = progress("lag-idle")
+    asks: list[tuple[list, Future]] = []
+
+    def ask(partitions: list) -> Future:
+        asks.append((partitions, Future()))
+        return asks[-1][1]
+
+    marks = ConfluentMarks(IdleConsumer([0, 1]), {"in": tracked}, ask, monotonic=monotonic)
+    marks.refresh()
+    assert [partitions for partitions, _ in asks] == [[("in", 0), ("in", 1)]]
+    assert tracked.lag(("in", 0)) is None  # unknown until answered
+    monotonic.now += REFRESH_S
+    marks.refresh()
+    assert len(asks) == 1  # one question at a time, whatever the wait
+    asks[0][1].set_exception(RuntimeError("the coordinator moved"))
+    monotonic.now += REFRESH_S
+    marks.refresh()
+    assert len(asks) == 2  # a failed answer: asked again
+    asks[1][1].set_result({("in", 0): 4, ("in", 1): -1001})
+    monotonic.now += REFRESH_S
+    marks.refresh()
+    assert tracked.lag(("in", 0)) == 6  # high-water mark 10, committed 4
+    assert tracked.lag(("in", 1)) == 10  # nothing committed: from the log start
+    monotonic.now += REFRESH_S
+    marks.refresh()
+    assert len(asks) == 2  # placed: not asked again
 
 
 def committed_rows(deployment) -> list:
