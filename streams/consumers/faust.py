@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import faust
 from faust.types import TP, Message
@@ -186,15 +186,12 @@ def _commit_in_transactions(
     """Exactly-once: offsets go in the batches' transactions, sent with aiokafka's group
     metadata; Faust seeks to stable offsets and commits nothing itself; a rebalance
     waits for what was taken to be committed, or ends the worker."""
-    read_stable = StableOffsets(config.app_id, config.broker)
+    app.stable_offsets = StableOffsets(config.app_id, config.broker)
 
-    def stable_offsets(partitions: Iterable[tuple[str, int]]) -> Mapping[tuple[str, int], int]:
-        try:
-            return read_stable(partitions)
-        except UnstableOffsets as exc:  # Faust's recovery would crash on it, exit unknown
-            transactions.on_fatal(exc, [])
+    def unstable(exc: UnstableOffsets) -> NoReturn:
+        transactions.on_fatal(exc, [])
 
-    app.stable_offsets = stable_offsets
+    app.on_unstable = unstable
 
     async def read_group_metadata() -> bytes:
         return aiokafka_group_metadata(app.consumer._thread._ensure_consumer())

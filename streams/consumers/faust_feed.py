@@ -25,11 +25,13 @@ or a rebalance), so neither waits for the registry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, NoReturn
 
 import faust
+from confluent_kafka import KafkaException, TopicPartition
 from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, Message
@@ -38,6 +40,7 @@ from mode import Service
 from mode.utils.futures import maybe_async
 
 from streams.consumers import aiokafka_closed
+from streams.consumers.faust_transactions import STABLE_WAIT_S, StableOffsets, UnstableOffsets
 
 # Chunks waiting for an agent: one being fetched while one is handed over.
 FEED_CHUNKS = 2
@@ -49,6 +52,8 @@ BUSY_RECORDS_PER_WAIT = 2.0
 IDLE_RECORDS_PER_WAIT = 1.25
 # How long the rate is counted before the fetch mode is chosen again.
 PACE_WINDOW_S = 0.1
+# How often partitions held by an open transaction are asked about (exactly-once).
+STABLE_POLL_S = 0.5
 
 
 class _TerminalWithoutTables:
@@ -139,21 +144,35 @@ class _LoopConsumer(faust_aiokafka.AIOKafkaConsumerThread):
             return False
         return commit.result()
 
+    held: frozenset[TP] = frozenset()
+    """With exactly-once: the partitions the last seek left out, their committed offsets
+    held by an open transaction (`BulkConsumer` fetches them once it ends)."""
+
     async def seek_to_committed(self) -> Mapping[TP, int | None]:
         """Faust's seek after an assignment (and whenever it must go back): with
         exactly-once to the offsets no open transaction holds any more
-        (`faust_transactions`), read on a thread; otherwise aiokafka's."""
-        stable_offsets = self.app.stable_offsets
-        if stable_offsets is None:
+        (`faust_transactions`), read on a thread; otherwise aiokafka's. Partitions a
+        transaction holds now are left out (`held`, their offsets None), so that one
+        previous owner's open transaction does not hold up the others."""
+        reader = self.app.stable_offsets
+        if reader is None:
             return await super().seek_to_committed()
         consumer = self._ensure_consumer()
         assigned = {(tp.topic, tp.partition): tp for tp in consumer.assignment()}
-        offsets = await asyncio.to_thread(stable_offsets, assigned)
+        try:
+            held = await asyncio.to_thread(reader.held, assigned)
+        except KafkaException:  # cannot tell: wait for them all, as the read does
+            held = set()
+        self.held = frozenset(assigned[where] for where in held)
+        try:
+            offsets = await asyncio.to_thread(reader, [w for w in assigned if w not in held])
+        except UnstableOffsets as exc:  # Faust's recovery would crash on it, exit unknown
+            self.app.on_unstable(exc)
         for where, offset in offsets.items():
             if offset >= 0:  # none committed: where auto_offset_reset put it
                 consumer.seek(assigned[where], offset)
-        return {assigned[where]: offset if offset >= 0 else None
-                for where, offset in offsets.items()}  # fmt: skip
+        return {tp: offsets[where] if offsets.get(where, -1) >= 0 else None
+                for where, tp in assigned.items()}  # fmt: skip
 
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
@@ -214,6 +233,61 @@ class BulkConsumer(faust_aiokafka.Consumer):
     def acked(self) -> None:
         """Records were acknowledged (`Consumer.ack`): a commit is due within the interval."""
         self._acked_since_commit.set()
+
+    _stabilizing: asyncio.Task | None = None
+
+    async def seek_to_committed(self) -> Mapping[TP, int | None]:
+        """Faust's seek, made after it resumed the assigned partitions and before fetching
+        resumes: partitions an open transaction holds (exactly-once) are paused here and
+        fetched once it ends, from the offset it leaves."""
+        self._stop_stabilizing()
+        offsets = await super().seek_to_committed()
+        held = self._thread.held
+        if held:
+            self.pause_partitions({TP(tp.topic, tp.partition) for tp in held})
+            self._stabilizing = asyncio.ensure_future(self._seek_once_stable(held))
+        return offsets
+
+    async def on_partitions_revoked(self, revoked: set[TP]) -> None:
+        self._stop_stabilizing()
+        await super().on_partitions_revoked(revoked)
+
+    async def on_stop(self) -> None:
+        self._stop_stabilizing()
+        await super().on_stop()
+
+    def _stop_stabilizing(self) -> None:
+        if self._stabilizing is not None:
+            self._stabilizing.cancel()
+            self._stabilizing = None
+
+    async def _seek_once_stable(self, held: frozenset[TP]) -> None:
+        """Ask now and then (each question short, so that a stop never waits long for a
+        thread) until no transaction holds the offsets of `held`; then seek them to the
+        committed offsets and resume them. Past `STABLE_WAIT_S` the worker ends, as
+        when the whole assignment waits."""
+        reader = self.app.stable_offsets
+        waiting = {(tp.topic, tp.partition) for tp in held}
+        deadline = asyncio.get_running_loop().time() + STABLE_WAIT_S
+        while waiting:
+            await asyncio.sleep(STABLE_POLL_S)
+            with contextlib.suppress(KafkaException):  # cannot tell now: ask again
+                waiting = await asyncio.to_thread(reader.held, waiting)
+            if waiting and asyncio.get_running_loop().time() > deadline:
+                wanted = [TopicPartition(topic, partition) for topic, partition in waiting]
+                self.app.on_unstable(UnstableOffsets(wanted, "still held"))
+        try:
+            offsets = await asyncio.to_thread(reader, [(tp.topic, tp.partition) for tp in held])
+        except UnstableOffsets as exc:
+            self.app.on_unstable(exc)
+        for tp in held:
+            offset = offsets[(tp.topic, tp.partition)]
+            if offset >= 0:
+                await self.seek(tp, offset)
+                # As Faust's own seek after an assignment keeps it.
+                self._committed_offset[TP(tp.topic, tp.partition)] = offset or None
+        self.resume_partitions({TP(tp.topic, tp.partition) for tp in held})
+        self._stabilizing = None
 
     @Service.task
     async def _commit_handler(self) -> None:
@@ -337,8 +411,6 @@ class BulkTransport(faust_aiokafka.Transport):
 
 
 Unfinished = Callable[[list[Message]], None]
-ReadStable = Callable[[Iterable[tuple[str, int]]], Mapping[tuple[str, int], int]]
-"""(topic, partition) -> committed offset, as `faust_transactions.StableOffsets` reads them."""
 
 
 class FeedApp(faust.App):
@@ -355,9 +427,12 @@ class FeedApp(faust.App):
         """(fetch_max_wait_ms, fetch_min_bytes) of a busy fetch (the broker config's)."""
         self.fetch_max_bytes = fetch_max_bytes
         """aiokafka's fetch_max_bytes: what one fetch asks in all."""
-        self.stable_offsets: ReadStable | None = None
+        self.stable_offsets: StableOffsets | None = None
         """With exactly-once delivery: what reads the offsets Faust seeks to after an
         assignment; Faust then commits nothing itself (`faust_transactions`)."""
+        self.on_unstable: Callable[[UnstableOffsets], NoReturn] | None = None
+        """With exactly-once delivery: what ends the worker when the offsets of assigned
+        partitions stay held by a transaction past `STABLE_WAIT_S`."""
         self.on_unfinished: Unfinished | None = None
         """With exactly-once delivery: what ends the worker when records it took are not
         committed by the time their partitions must go (given those records)."""

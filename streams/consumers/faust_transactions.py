@@ -32,7 +32,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
 
 from infra.kafka_clients import client_settings
 from schemas.errors import HeadraceError
@@ -59,20 +66,28 @@ def aiokafka_group_metadata(consumer: Any) -> bytes:
 
 class StableOffsets:
     """The group's committed offsets, read once no transaction holds offsets of the
-    partitions asked (librdkafka's read_committed offset fetch). Blocks: call from a
-    thread. Each call has a client of its own, closed after it: assignments are rare,
-    and a client kept between them would queue its log lines for a poll that never comes."""
+    partitions asked (librdkafka's read_committed offset fetch), and which partitions
+    such a transaction holds now (`held`). Blocks: call from a thread. Each call has a
+    client of its own, closed after it: assignments are rare, and a client kept between
+    them would queue its log lines for a poll that never comes."""
 
     def __init__(self, group_id: str, broker: BrokerConfig) -> None:
+        self._group_id = group_id
+        self._timeout_s = broker.connect_timeout_s
+        self._client = client_settings(
+            broker.bootstrap_servers, "stable-offsets", broker.connect_timeout_s
+        )
         self._settings = {
-            **client_settings(broker.bootstrap_servers, "stable-offsets", broker.connect_timeout_s),
+            **self._client,
             "group.id": group_id,
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
         }
 
     def __call__(self, partitions: Iterable[tuple[str, int]]) -> Mapping[tuple[str, int], int]:
-        """(topic, partition) -> the committed offset, -1 where the group has none."""
+        """(topic, partition) -> the committed offset, -1 where the group has none;
+        waits up to `STABLE_WAIT_S` for the transactions that hold them, then raises
+        UnstableOffsets."""
         wanted = [TopicPartition(topic, partition) for topic, partition in partitions]
         if not wanted:
             return {}
@@ -85,6 +100,26 @@ class StableOffsets:
         finally:
             consumer.close()
         return {(tp.topic, tp.partition): max(tp.offset, -1) for tp in committed}
+
+    def held(self, partitions: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
+        """The partitions whose committed offset an open transaction holds now, asked
+        with the admin API, which answers for each partition at once where the
+        consumer's read waits for all of them. KafkaException when it cannot tell."""
+        wanted = [TopicPartition(topic, partition) for topic, partition in partitions]
+        if not wanted:
+            return set()
+        admin = AdminClient(self._client)
+        request = ConsumerGroupTopicPartitions(self._group_id, wanted)
+        (answer,) = admin.list_consumer_group_offsets(
+            [request], require_stable=True, request_timeout=self._timeout_s
+        ).values()
+        held = set()
+        for tp in answer.result(timeout=self._timeout_s + 5).topic_partitions:
+            if tp.error is not None:
+                if tp.error.code() != KafkaError.UNSTABLE_OFFSET_COMMIT:
+                    raise KafkaException(tp.error)
+                held.add((tp.topic, tp.partition))
+        return held
 
 
 class UnstableOffsets(HeadraceError):

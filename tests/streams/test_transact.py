@@ -40,6 +40,7 @@ from streams.publish import topic_limits
 from streams.records import InputRecord, OutRecord
 from streams.transact import TransactionalPublisher, group_metadata, is_member, next_offsets
 from tests.chaos.conftest import create_topics
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -513,18 +514,24 @@ def test_group_metadata_is_written_as_librdkafka_writes_it(instance_id):
     assert is_member(group_metadata("g", 4, "member-1", instance_id))
 
 
+def held_for_a_new_group(kafka, member, topic: str, **settings) -> tuple[Producer, StableOffsets]:
+    """A transaction left open that holds offset 5 of `topic`[0] for a new group with one
+    member (as a previous owner's would), and a reader of that group's stable offsets."""
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topic)
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers,
+                         "transactional.id": f"tx-{group}", **settings})  # fmt: skip
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    held = [TopicPartition(topic, 0, 5)]
+    producer.send_offsets_to_transaction(held, consumer.consumer_group_metadata(), 30)
+    return producer, StableOffsets(group, BrokerConfig(bootstrap_servers=kafka.bootstrap_servers))
+
+
 def test_stable_offsets_wait_for_the_transaction_that_holds_them(kafka, topics, member):
     """What a new owner reads on the Faust runtime: not the offset from before a
     transaction that still holds the partition's offsets, but what it commits."""
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    consumer = member(group, topics["in"])
-    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers,
-                         "transactional.id": f"tx-{group}"})  # fmt: skip
-    producer.init_transactions(30)
-    producer.begin_transaction()
-    held = [TopicPartition(topics["in"], 0, 5)]
-    producer.send_offsets_to_transaction(held, consumer.consumer_group_metadata(), 30)
-    reader = StableOffsets(group, BrokerConfig(bootstrap_servers=kafka.bootstrap_servers))
+    producer, reader = held_for_a_new_group(kafka, member, topics["in"])
     with ThreadPoolExecutor(1) as pool:
         reading = pool.submit(reader, [(topics["in"], 0), (topics["in"], 1)])
         with pytest.raises(FutureTimeout):  # the transaction is open: it waits
@@ -533,26 +540,30 @@ def test_stable_offsets_wait_for_the_transaction_that_holds_them(kafka, topics, 
         assert reading.result(timeout=30) == {(topics["in"], 0): 5, (topics["in"], 1): -1}
 
 
+def test_stable_offsets_name_the_partitions_an_open_transaction_holds_at_once(
+    kafka, topics, member
+):
+    """Which partitions to leave out of a Faust assignment's seek, asked without waiting."""
+    producer, reader = held_for_a_new_group(kafka, member, topics["in"])
+    both = [(topics["in"], 0), (topics["in"], 1)]
+    started = time.monotonic()
+    assert reader.held(both) == {(topics["in"], 0)}
+    assert time.monotonic() - started < 5  # answered, not waited out
+    producer.commit_transaction(30)
+    assert wait_until(lambda: not reader.held(both), 30)
+    assert reader(both) == {(topics["in"], 0): 5, (topics["in"], 1): -1}
+
+
 def test_stable_offsets_give_up_on_a_transaction_that_stays_open(
     kafka, topics, member, monkeypatch
 ):
     """A transaction of the previous owner open past the wait: UnstableOffsets naming the
     partition (on which the Faust runtime ends the worker, exit 70), not an offset."""
     monkeypatch.setattr(faust_transactions, "STABLE_WAIT_S", 1.0)
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    consumer = member(group, topics["in"])
-    producer = Producer(
-        {
-            "bootstrap.servers": kafka.bootstrap_servers,
-            "transactional.id": f"tx-{group}",
-            "transaction.timeout.ms": 60_000,  # open past the reader's wait
-        }
+    # Open past the reader's wait.
+    producer, reader = held_for_a_new_group(
+        kafka, member, topics["in"], **{"transaction.timeout.ms": 60_000}
     )
-    producer.init_transactions(30)
-    producer.begin_transaction()
-    held = [TopicPartition(topics["in"], 0, 5)]
-    producer.send_offsets_to_transaction(held, consumer.consumer_group_metadata(), 30)
-    reader = StableOffsets(group, BrokerConfig(bootstrap_servers=kafka.bootstrap_servers))
     try:
         with pytest.raises(UnstableOffsets, match=rf"{topics['in']}\[0\] within 1 s"):
             reader([(topics["in"], 0)])
