@@ -144,9 +144,10 @@ class _LoopConsumer(faust_aiokafka.AIOKafkaConsumerThread):
             return False
         return commit.result()
 
-    held: frozenset[TP] = frozenset()
-    """With exactly-once: the partitions the last seek left out, their committed offsets
-    held by an open transaction (`BulkConsumer` fetches them once it ends)."""
+    held: frozenset[Any] = frozenset()
+    """With exactly-once: the partitions (aiokafka's TopicPartition) the last seek left
+    out, their committed offsets held by an open transaction (`BulkConsumer` fetches
+    them once it ends)."""
 
     async def seek_to_committed(self) -> Mapping[TP, int | None]:
         """Faust's seek after an assignment (and whenever it must go back): with
@@ -261,7 +262,7 @@ class BulkConsumer(faust_aiokafka.Consumer):
             self._stabilizing.cancel()
             self._stabilizing = None
 
-    async def _seek_once_stable(self, held: frozenset[TP]) -> None:
+    async def _seek_once_stable(self, held: frozenset[Any]) -> None:
         """Ask now and then (each question short, so that a stop never waits long for a
         thread) until no transaction holds the offsets of `held`; then seek them to the
         committed offsets and resume them. Past `STABLE_WAIT_S` the worker ends, as
