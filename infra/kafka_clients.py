@@ -20,9 +20,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
 
 from infra.errors import BrokerUnavailable
@@ -205,6 +213,39 @@ def list_topics(bootstrap_servers: str, timeout_s: float = DEFAULT_TIMEOUT_S) ->
         raise unavailable(
             bootstrap_servers, f"could not be reached within {timeout_s:g} s ({reason})"
         ) from exc
+
+
+def ask_group_offsets(
+    admin: AdminClient,
+    group: str,
+    partitions: Iterable[tuple[str, int]],
+    *,
+    require_stable: bool,
+    timeout_s: float,
+) -> Future:
+    """Ask the admin API for `group`'s committed offsets of `partitions`: a future of the
+    answer's TopicPartitions, each with its offset (-1001: none committed) or an error of
+    its own. With `require_stable`, a partition whose offset an open transaction holds is
+    answered at once with UNSTABLE_OFFSET_COMMIT; without, with its last committed offset
+    (the consumer's own read, under read_committed, waits for the transaction instead).
+    Serves the client's queued log lines first: nothing else polls an admin client."""
+    admin.poll(0)
+    request = ConsumerGroupTopicPartitions(
+        group, [TopicPartition(topic, partition) for topic, partition in partitions]
+    )
+    (answer,) = admin.list_consumer_group_offsets(
+        [request], require_stable=require_stable, request_timeout=timeout_s
+    ).values()
+    offsets: Future = Future()
+
+    def answered(done: Future) -> None:
+        try:
+            offsets.set_result(done.result().topic_partitions)
+        except Exception as exc:  # the broker away, the coordinator moving
+            offsets.set_exception(exc)
+
+    answer.add_done_callback(answered)
+    return offsets
 
 
 def _short(reason: str) -> str:

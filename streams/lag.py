@@ -339,23 +339,20 @@ class CommittedOffsets:
         self._admin: Any = None
 
     def ask(self, partitions: list[TP]) -> Future[dict[TP, int]]:
-        from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
         from confluent_kafka.admin import AdminClient
+
+        from infra.kafka_clients import ask_group_offsets
 
         if self._admin is None:
             self._admin = AdminClient(self._settings)
-        request = ConsumerGroupTopicPartitions(
-            self._group, [TopicPartition(topic, partition) for topic, partition in partitions]
+        answer = ask_group_offsets(
+            self._admin, self._group, partitions, require_stable=False, timeout_s=QUERY_TIMEOUT_S
         )
-        (answer,) = self._admin.list_consumer_group_offsets(
-            [request], require_stable=False, request_timeout=QUERY_TIMEOUT_S
-        ).values()
         offsets: Future[dict[TP, int]] = Future()
 
         def answered(done: Future) -> None:
             try:
-                found = done.result().topic_partitions
-                offsets.set_result({(tp.topic, tp.partition): tp.offset for tp in found})
+                offsets.set_result({(tp.topic, tp.partition): tp.offset for tp in done.result()})
             except Exception as exc:
                 offsets.set_exception(exc)
 

@@ -25,13 +25,12 @@ or a rebalance), so neither waits for the registry.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NoReturn
 
 import faust
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, Message
@@ -40,7 +39,11 @@ from mode import Service
 from mode.utils.futures import maybe_async
 
 from streams.consumers import aiokafka_closed
-from streams.consumers.faust_transactions import STABLE_WAIT_S, StableOffsets, UnstableOffsets
+from streams.consumers.faust_transactions import (
+    StableOffsets,
+    UnstableOffsets,
+    released,
+)
 
 # Chunks waiting for an agent: one being fetched while one is handed over.
 FEED_CHUNKS = 2
@@ -52,8 +55,6 @@ BUSY_RECORDS_PER_WAIT = 2.0
 IDLE_RECORDS_PER_WAIT = 1.25
 # How long the rate is counted before the fetch mode is chosen again.
 PACE_WINDOW_S = 0.1
-# How often partitions held by an open transaction are asked about (exactly-once).
-STABLE_POLL_S = 0.5
 
 
 class _TerminalWithoutTables:
@@ -263,20 +264,14 @@ class BulkConsumer(faust_aiokafka.Consumer):
             self._stabilizing = None
 
     async def _seek_once_stable(self, held: frozenset[Any]) -> None:
-        """Ask now and then (each question short, so that a stop never waits long for a
-        thread) until no transaction holds the offsets of `held`; then seek them to the
-        committed offsets and resume them. Past `STABLE_WAIT_S` the worker ends, as
+        """Wait until no transaction holds the offsets of `held` (`released`), then seek
+        them to the committed offsets and resume them. Past its wait the worker ends, as
         when the whole assignment waits."""
         reader = self.app.stable_offsets
-        waiting = {(tp.topic, tp.partition) for tp in held}
-        deadline = asyncio.get_running_loop().time() + STABLE_WAIT_S
-        while waiting:
-            await asyncio.sleep(STABLE_POLL_S)
-            with contextlib.suppress(KafkaException):  # cannot tell now: ask again
-                waiting = await asyncio.to_thread(reader.held, waiting)
-            if waiting and asyncio.get_running_loop().time() > deadline:
-                wanted = [TopicPartition(topic, partition) for topic, partition in waiting]
-                self.app.on_unstable(UnstableOffsets(wanted, "still held"))
+        try:
+            await released(reader, {(tp.topic, tp.partition) for tp in held})
+        except UnstableOffsets as exc:
+            self.app.on_unstable(exc)
         try:
             offsets = await asyncio.to_thread(reader, [(tp.topic, tp.partition) for tp in held])
         except UnstableOffsets as exc:

@@ -29,19 +29,15 @@ committing them later could repeat the answers of their next owner. The waits ar
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import (
-    Consumer,
-    ConsumerGroupTopicPartitions,
-    KafkaError,
-    KafkaException,
-    TopicPartition,
-)
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from infra.kafka_clients import client_settings
+from infra.kafka_clients import ask_group_offsets, client_settings
 from schemas.errors import HeadraceError
 from streams.config import BrokerConfig
 from streams.transact import group_metadata
@@ -50,6 +46,8 @@ from streams.transact import group_metadata
 # to end: Kafka aborts one left open after `transact.TRANSACTION_TIMEOUT_MS` (15 s) plus
 # its abort scan (every 10 s by default). Below Faust's own limit on the seek (90 s).
 STABLE_WAIT_S = 60.0
+# How often partitions held by an open transaction are asked about while they wait.
+STABLE_POLL_S = 0.5
 
 
 def aiokafka_group_metadata(consumer: Any) -> bytes:
@@ -67,9 +65,10 @@ def aiokafka_group_metadata(consumer: Any) -> bytes:
 class StableOffsets:
     """The group's committed offsets, read once no transaction holds offsets of the
     partitions asked (librdkafka's read_committed offset fetch), and which partitions
-    such a transaction holds now (`held`). Blocks: call from a thread. Each call has a
-    client of its own, closed after it: assignments are rare, and a client kept between
-    them would queue its log lines for a poll that never comes."""
+    such a transaction holds now (`held`, asked every `STABLE_POLL_S` while they wait).
+    Blocks: call from a thread. A read has a consumer of its own, closed after it
+    (assignments are rare); `held` keeps one admin client, whose log lines wait for its
+    next question."""
 
     def __init__(self, group_id: str, broker: BrokerConfig) -> None:
         self._group_id = group_id
@@ -83,6 +82,7 @@ class StableOffsets:
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
         }
+        self._admin: AdminClient | None = None
 
     def __call__(self, partitions: Iterable[tuple[str, int]]) -> Mapping[tuple[str, int], int]:
         """(topic, partition) -> the committed offset, -1 where the group has none;
@@ -105,21 +105,36 @@ class StableOffsets:
         """The partitions whose committed offset an open transaction holds now, asked
         with the admin API, which answers for each partition at once where the
         consumer's read waits for all of them. KafkaException when it cannot tell."""
-        wanted = [TopicPartition(topic, partition) for topic, partition in partitions]
+        wanted = list(partitions)
         if not wanted:
             return set()
-        admin = AdminClient(self._client)
-        request = ConsumerGroupTopicPartitions(self._group_id, wanted)
-        (answer,) = admin.list_consumer_group_offsets(
-            [request], require_stable=True, request_timeout=self._timeout_s
-        ).values()
+        if self._admin is None:
+            self._admin = AdminClient(self._client)
+        answer = ask_group_offsets(
+            self._admin, self._group_id, wanted, require_stable=True, timeout_s=self._timeout_s
+        )
         held = set()
-        for tp in answer.result(timeout=self._timeout_s + 5).topic_partitions:
+        for tp in answer.result(timeout=self._timeout_s + 5):
             if tp.error is not None:
                 if tp.error.code() != KafkaError.UNSTABLE_OFFSET_COMMIT:
                     raise KafkaException(tp.error)
                 held.add((tp.topic, tp.partition))
         return held
+
+
+async def released(reader: StableOffsets, partitions: Iterable[tuple[str, int]]) -> None:
+    """Return once no open transaction holds the committed offsets of `partitions`,
+    asking every `STABLE_POLL_S` on a thread (each question short, so that a stop never
+    waits long for one); UnstableOffsets naming those still held past `STABLE_WAIT_S`."""
+    waiting = set(partitions)
+    deadline = asyncio.get_running_loop().time() + STABLE_WAIT_S
+    while waiting:
+        await asyncio.sleep(STABLE_POLL_S)
+        with contextlib.suppress(KafkaException):  # cannot tell now: ask again
+            waiting = await asyncio.to_thread(reader.held, waiting)
+        if waiting and asyncio.get_running_loop().time() > deadline:
+            still = [TopicPartition(topic, partition) for topic, partition in sorted(waiting)]
+            raise UnstableOffsets(still, "still held")
 
 
 class UnstableOffsets(HeadraceError):

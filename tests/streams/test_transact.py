@@ -33,7 +33,7 @@ from infra.topics import delete_topics
 from streams import transact
 from streams.config import BrokerConfig
 from streams.consumers import faust_transactions
-from streams.consumers.faust_transactions import StableOffsets, UnstableOffsets
+from streams.consumers.faust_transactions import StableOffsets, UnstableOffsets, released
 from streams.errors import TransactionFailed, TransactionFenced
 from streams.outgoing import Outgoing
 from streams.publish import topic_limits
@@ -567,6 +567,40 @@ def test_stable_offsets_give_up_on_a_transaction_that_stays_open(
     try:
         with pytest.raises(UnstableOffsets, match=rf"{topics['in']}\[0\] within 1 s"):
             reader([(topics["in"], 0)])
+    finally:
+        producer.abort_transaction(30)
+
+
+def test_held_partitions_are_released_once_their_transaction_ends(kafka, topics, member):
+    """The wait of a Faust assignment's held partitions: over when the transaction
+    commits, and not before."""
+    producer, reader = held_for_a_new_group(kafka, member, topics["in"])
+
+    async def wait_for_the_commit() -> None:
+        waiting = asyncio.ensure_future(released(reader, [(topics["in"], 0), (topics["in"], 1)]))
+        done, _ = await asyncio.wait({waiting}, timeout=2.0)
+        assert not done  # the transaction is open: it waits
+        await asyncio.to_thread(producer.commit_transaction, 30)
+        await asyncio.wait_for(waiting, 30)
+
+    asyncio.run(wait_for_the_commit())
+    assert reader([(topics["in"], 0)]) == {(topics["in"], 0): 5}
+
+
+def test_held_partitions_give_up_naming_those_still_held(kafka, topics, member, monkeypatch):
+    """Held past the wait: UnstableOffsets naming the partition the transaction holds
+    and no other (on which the Faust runtime ends the worker, exit 70)."""
+    monkeypatch.setattr(faust_transactions, "STABLE_WAIT_S", 1.0)
+    producer, reader = held_for_a_new_group(
+        kafka, member, topics["in"], **{"transaction.timeout.ms": 60_000}
+    )
+    try:
+        with pytest.raises(UnstableOffsets) as raised:
+            asyncio.run(
+                asyncio.wait_for(released(reader, [(topics["in"], 0), (topics["in"], 1)]), 30)
+            )
+        assert f"{topics['in']}[0] within" in str(raised.value)
+        assert f"{topics['in']}[1]" not in str(raised.value)
     finally:
         producer.abort_transaction(30)
 
