@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterable
 from functools import cache
@@ -29,7 +30,12 @@ import fastavro
 from fastavro.schema import to_parsing_canonical_form
 
 from schemas.config import RegistryConfig
-from schemas.errors import RegistryError, SchemaFileError, SchemaNotFoundError
+from schemas.errors import (
+    RegistryError,
+    RegistryUnavailable,
+    SchemaFileError,
+    SchemaNotFoundError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -214,27 +220,39 @@ class RegistryCatalogue:
                 raise SchemaNotFoundError(schema_id, f"the registry at {self.url}") from exc
             raise RegistryError(f"registry at {self.url} failed for id {schema_id}: {exc}") from exc
         except Exception as exc:  # connection errors come from the HTTP client underneath
-            raise RegistryError(f"registry at {self.url} unreachable: {exc}") from exc
+            raise RegistryUnavailable(
+                f"registry at {self.url} unreachable ({_reason(exc)})"
+            ) from exc
         raw = json.loads(schema.schema_str)
         self._known.remember_id(schema_id, raw)
         return raw
 
     def id_for(self, subject: str, schema: dict[str, Any]) -> int:
         from confluent_kafka.schema_registry import Schema
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
 
         try:
             schema_id = self._client.register_schema(subject, Schema(json.dumps(schema), "AVRO"))
+        except SchemaRegistryError as exc:  # it answered: a refusal, not an outage
+            raise RegistryError(
+                f"the registry at {self.url} refused {schema.get('name')} under subject "
+                f"{subject!r}: {exc}; hint: the subject's compatibility rules decide what "
+                "it takes"
+            ) from exc
         except Exception as exc:
             known = self._known.id_of(subject, schema)
             if known is not None:
                 log.warning(
                     "registry at %s unreachable (%s); subject %s keeps id %d, as registered "
-                    "before", self.url, exc, subject, known,
+                    "before", self.url, _reason(exc), subject, known,
                 )  # fmt: skip
                 return known
-            raise RegistryError(
-                f"could not register {schema.get('name')} under subject {subject!r} "
-                f"at {self.url}: {exc}"
+            raise RegistryUnavailable(
+                f"schema registry at {self.url} could not be reached ({_reason(exc)}) to "
+                f"register {schema.get('name')} under subject {subject!r}; hint: is the "
+                "registry running? (a local one: `headrace registry start`); a worker that "
+                "registered it once starts without the registry, from "
+                "registry.known_schemas_file"
             ) from exc
         self._known.remember_subject(subject, schema, schema_id)
         return schema_id
@@ -249,6 +267,18 @@ class RegistryCatalogue:
                 "hint: register the producers' schema, or set input.schema to an .avsc file"
             ) from exc
         return json.loads(registered.schema.schema_str)
+
+
+def _reason(exc: BaseException) -> str:
+    """The cause of a failed HTTP call alone: `Connection refused` out of requests'
+    `HTTPConnectionPool(...): Max retries exceeded ... [Errno 111] Connection refused'))`."""
+    text = str(exc)
+    errno = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if errno:
+        return errno.group(1).strip()
+    if "timed out" in text.lower():
+        return "timed out"
+    return text or type(exc).__name__
 
 
 def open_catalogue(registry: RegistryConfig | None) -> SchemaCatalogue:

@@ -37,5 +37,11 @@ class RegistryError(HeadraceError):
     """The schema registry could not be reached or answered with an error."""
 
 
+class RegistryUnavailable(RegistryError):
+    """The schema registry did not answer (down, unreachable, or past its timeout)."""
+
+    exit_status = 69  # EX_UNAVAILABLE: worth retrying once the registry is back
+
+
 class SchemaFileError(HeadraceError):
     """A schema file that cannot be read or is not a valid Avro record schema."""

@@ -155,6 +155,23 @@ def test_a_missing_input_topic_is_named_and_refused_at_start(deploy, tmp_path):
     assert len(done.lines) == 1, done.output  # refused before any model or store loaded
 
 
+@pytest.mark.integration
+def test_a_registry_down_at_a_first_start_is_named_and_the_worker_exits_69(deploy, tmp_path):
+    """A worker that never registered its answer schema cannot start without the
+    registry (it frames every answer with that schema's id): one line naming the
+    registry, why, and how a worker that met it before starts anyway."""
+    url = f"http://127.0.0.1:{free_port()}/apis/ccompat/v7"
+    deployment = deploy(registry_url=url)
+    done = headrace("worker", "-c", str(deployment.config_file), cwd=tmp_path)
+    assert_refused(
+        done,
+        EXIT_UNAVAILABLE,
+        f"schema registry at {url} could not be reached (Connection refused)",
+        "`headrace registry start`",
+        "registry.known_schemas_file",
+    )
+
+
 def _narrowed(model: Path, out: Path, symbolic_width: bool) -> Path:
     """The sample model with one feature name fewer in its metadata than its graph takes;
     with `symbolic_width`, a graph that does not declare its width either."""
