@@ -13,6 +13,7 @@ naming the input or output and listing what the model has.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -174,9 +175,17 @@ class Signature:
             for column in tensor.columns:
                 where = f"model {self.name}: input {tensor.name!r} column {column.source!r}"
                 if column.source not in known:
+                    close = difflib.get_close_matches(column.source, sorted(known), n=1)
+                    hint = (
+                        f"did you mean {close[0]!r}?"
+                        if close
+                        else "name an event field or a feature in model.inputs, or add it "
+                        "to the input schema or the feature service"
+                    )
                     problems.append(
                         f"{where} is neither a field of the event ({list(event_fields)}) nor "
-                        f"a feature of the pipeline's feature service ({list(feature_refs)})"
+                        f"a feature of the pipeline's feature service ({list(feature_refs)}); "
+                        f"hint: {hint}"
                     )
                 elif column.source in feature_refs and tensor.dtype in ("string", "bool"):
                     problems.append(

@@ -323,7 +323,8 @@ def test_a_column_that_is_neither_an_event_field_nor_a_feature():
     signature = signature_with(TensorInput("X", "float32", columns))
     assert signature.source_problems(["amount"], ["user__age"]) == [
         "model m: input 'X' column 'user__agee' is neither a field of the event (['amount']) "
-        "nor a feature of the pipeline's feature service (['user__age'])"
+        "nor a feature of the pipeline's feature service (['user__age']); "
+        "hint: did you mean 'user__age'?"
     ]
 
 

@@ -172,6 +172,26 @@ def test_a_registry_down_at_a_first_start_is_named_and_the_worker_exits_69(deplo
     )
 
 
+@pytest.mark.integration
+def test_a_model_column_from_nowhere_is_refused_at_start(deploy, sample_assets, tmp_path):
+    """A column of `model.inputs` that names neither an event field nor a feature (a
+    typo) is refused before anything is served, naming the column and where it looked."""
+    artifact = onnx.load(str(sample_assets.model))
+    names = json.loads(next(p.value for p in artifact.metadata_props if p.key == "feature_names"))
+    typo = f"{names[-1]}x"
+    deployment = deploy()
+    raw = yaml.safe_load(deployment.config_file.read_text())
+    raw["pipelines"][0]["model"]["inputs"] = [{"name": "X", "columns": [*names[:-1], typo]}]
+    deployment.config_file.write_text(yaml.safe_dump(raw))
+    done = headrace("worker", "-c", str(deployment.config_file), cwd=tmp_path)
+    assert_refused(
+        done,
+        EXIT_USAGE,
+        f"column '{typo}' is neither a field of the event",
+        f"hint: did you mean '{names[-1]}'?",
+    )
+
+
 def _narrowed(model: Path, out: Path, symbolic_width: bool) -> Path:
     """The sample model with one feature name fewer in its metadata than its graph takes;
     with `symbolic_width`, a graph that does not declare its width either."""
