@@ -40,7 +40,10 @@ def answers_of(collector, prefix: str) -> list[dict]:
     return [p for p in collector.snapshot().predictions if p["event_id"].startswith(prefix)]
 
 
-def check_outage_degrades(deployment, kafka, world, outage) -> None:
+def check_outage_degrades(deployment, kafka, world, outage, outage_s: float) -> None:
+    """Through an outage of `outage_s`, events sent in tens are each answered within
+    seconds, as DEGRADED by the fallback model (or OK from features cached before), and
+    the worker never exits; full answers resume after it."""
     spec = deployment.spec
     collector = collector_for(deployment)
 
@@ -65,16 +68,20 @@ def check_outage_degrades(deployment, kafka, world, outage) -> None:
             assert wait_until(lambda: len(answers_of(collector, "before-")) == 40, 120)
             assert {p["status"] for p in answers_of(collector, "before-")} == {"OK"}
             with outage():
-                during = send(100, 12, "during-")
-                assert wait_until(lambda: len(answers_of(collector, "during-")) == 100, 60), (
-                    deployment.log_tail()
-                )
-                answers = answers_of(collector, "during-")
+                outage_ends, during, batch = time.monotonic() + outage_s, {}, 0
+                while time.monotonic() < outage_ends:  # answers flow all through it
+                    prefix = f"during{batch}-"
+                    during.update(send(10, 200 + batch, prefix))
+                    assert wait_until(lambda p=prefix: len(answers_of(collector, p)) == 10, 30), (
+                        deployment.log_tail()
+                    )
+                    batch += 1
+                answers = answers_of(collector, "during")
                 assert worker.poll() is None
             degraded = [a for a in answers if a["status"] == "DEGRADED"]
             # Events whose features were cached before the outage may still be answered OK.
             assert {a["status"] for a in answers} <= {"OK", "DEGRADED"}
-            assert len(degraded) >= 80, [a["status"] for a in answers]
+            assert len(degraded) >= 0.8 * len(answers), [a["status"] for a in answers]
             assert {(a["degraded_by"], a["reason"]) for a in degraded} == {
                 ("fallback_model", "store_unavailable")
             }
@@ -92,7 +99,7 @@ def test_a_locked_sqlite_store_degrades_then_recovers(deploy, kafka, sample_asse
     deployment = deploy(latency_budget_ms=BUDGET_MS,
                         feature_cache={"whole_view_max_entities": 0})  # fmt: skip
     check_outage_degrades(
-        deployment, kafka, sample_assets.world, lambda: sqlite_locked(sample_assets.repo)
+        deployment, kafka, sample_assets.world, lambda: sqlite_locked(sample_assets.repo), 10.0
     )
 
 
@@ -128,7 +135,8 @@ def test_views_kept_whole_answer_in_full_through_a_short_store_outage(deploy, ka
     assert sorted(a["event_id"] for a in answers) == sorted(during)
 
 
-def test_a_stopped_redis_degrades_then_recovers(deploy, kafka, tmp_path):
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_a_stopped_redis_degrades_then_recovers(deploy, kafka, tmp_path, runtime):
     server = RedisServer(tmp_path / "redis", free_port())
     server.start()
     world = SampleWorld()
@@ -144,8 +152,8 @@ def test_a_stopped_redis_degrades_then_recovers(deploy, kafka, tmp_path):
             server.start()  # empty (no persistence): answers are OK with missing features
 
     try:
-        deployment = deploy(repo_path=repo, runtime="bare", latency_budget_ms=BUDGET_MS)
-        check_outage_degrades(deployment, kafka, world, stopped)
+        deployment = deploy(repo_path=repo, runtime=runtime, latency_budget_ms=BUDGET_MS)
+        check_outage_degrades(deployment, kafka, world, stopped, 20.0)
     finally:
         server.stop()
 
