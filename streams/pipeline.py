@@ -28,7 +28,7 @@ from features.errors import StoreUnavailable
 from features.lookup import FeatureLookup, FeatureRows
 from models.errors import ModelError
 from streams import metrics
-from streams.admit import Admission, Candidate, Estimates, Route
+from streams.admit import NON_FINITE, Admission, Candidate, Estimates, Route
 from streams.config import PipelineConfig
 from streams.encode import AnswerEncoder
 from streams.errors import ConfigError
@@ -241,6 +241,7 @@ class Pipeline:
         An event moved off the full path after its features were read can still take
         the fallback model: it has every input."""
         serving = prepared.serving
+        prepared.run_seconds.clear()  # a retried stage counts its runs again
         routes = {item.route for item in prepared.admitted}
         runs = [
             self._run(prepared, route, model)
@@ -274,14 +275,14 @@ class Pipeline:
                     seconds += again_s
                 else:
                     prepared.candidate_seconds = candidate_s
-                self._answered(prepared, route, [*items, *canary], seconds)
+                await self._answered(prepared, route, [*items, *canary], seconds)
                 return
         if not items:
             return
         seconds = await model.run(items, prepared.rows)
         if route is Route.FULL:
             serving.meter.record(seconds, [item.answer for item in items])
-        self._answered(prepared, route, items, seconds)
+        await self._answered(prepared, route, items, seconds)
 
     async def _run_candidate(
         self, serving: Serving, canary: list[Item], rows: FeatureRows | None
@@ -301,14 +302,25 @@ class Pipeline:
         serving.candidate_meter.record(seconds, [item.answer for item in canary])
         return seconds
 
-    def _answered(self, prepared: Prepared, route: Route, items: list[Item], seconds: float):
+    async def _answered(
+        self, prepared: Prepared, route: Route, items: list[Item], seconds: float
+    ) -> None:
+        """Count a model's run; an answer that is NaN or infinite (an input past what the
+        model's math holds) is never kept: the full model's go to the fallback model,
+        the fallback's down the rest of the ladder (cache, default, shed)."""
         if route is Route.FULL:
             self.metrics.stage["inference"].observe(seconds)
-        prepared.run_seconds[route] = seconds
-        for item in items:
-            if not _finite(item.answer):  # e.g. an input past what the model's math holds
-                decision = self.admission.without_model(item.cached is not None)
-                item.route, item.reason = decision.route, decision.reason
+        prepared.run_seconds[route] = prepared.run_seconds.get(route, 0.0) + seconds
+        unusable = [item for item in items if not _finite(item.answer)]
+        if route is Route.FULL and self.fallback is not None and unusable:
+            for item in unusable:
+                item.route, item.reason = Route.FALLBACK, NON_FINITE
+            fallback_s = await self.fallback.run(unusable, prepared.rows)
+            await self._answered(prepared, Route.FALLBACK, unusable, fallback_s)
+            return
+        for item in unusable:
+            decision = self.admission.without_model(item.cached is not None)
+            item.route, item.reason = decision.route, decision.reason
 
     async def publish(self, prepared: Prepared) -> None:
         """Encode an outcome for every input and write them all; returns once Kafka has

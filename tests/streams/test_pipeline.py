@@ -265,10 +265,25 @@ def test_without_a_fallback_model_a_store_outage_gets_the_default_answer():
 
 
 @pytest.mark.parametrize("score", [math.nan, math.inf])
-def test_a_non_finite_model_answer_is_never_ok(score):
-    built, parts = pipeline(default_score=None, full_score=score)
+@pytest.mark.parametrize(
+    ("fallback", "default_score", "expected"),
+    [
+        (True, None, ("DEGRADED", "fallback_model", 0.2)),
+        (False, 0.05, ("DEGRADED", "default", 0.05)),
+        (False, None, ("SHED", None, None)),
+    ],
+    ids=["fallback-model", "default", "nothing-below"],
+)
+def test_a_non_finite_model_answer_is_never_ok(score, fallback, default_score, expected):
+    """The full model's NaN or infinity takes the next rung that answers: the fallback
+    model, else the default answer, else the event is shed; the reason says why."""
+    built, parts = pipeline(default_score=default_score, fallback=fallback, full_score=score)
     (answer,) = run(built, parts, records([0.010]), FAST)
-    assert (answer["status"], answer["reason"]) == ("SHED", "non_finite_answer")
+    status, degraded_by, answered_score = expected
+    assert (answer["status"], answer["reason"]) == (status, "non_finite_answer")
+    if status == "DEGRADED":
+        assert answer["degraded_by"] == degraded_by
+        assert answer["score"] == pytest.approx(answered_score)
 
 
 def test_inputs_marked_between_publish_attempts_are_sent_marked_once():
