@@ -40,7 +40,9 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
     assert systems == {"headrace", "bare", "kafka", "relay", "naive"}
     for step in report["steps"]:
         assert step["measured"] > 0
-        assert step["answered"] + step["unanswered"] == step["measured"]
+        # At these rates every system answers every event it was sent (SHED included):
+        # `unanswered` is what the reader never saw, so a lost answer fails here.
+        assert step["answered"] == step["measured"] and step["unanswered"] == 0, step
         assert sum(step["statuses"].values()) == step["answered"]
         latency = step["latency"]
         assert latency["count"] == step["answered"]
