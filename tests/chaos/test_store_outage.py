@@ -14,7 +14,7 @@ import pytest
 from features.sample_data import SampleWorld
 from infra.ports import free_port
 from infra.redis import RedisServer
-from tests.helpers import produce_events, wait_until
+from tests.helpers import produce_events, scrape, total, wait_until
 from tests.streams.test_worker import collector_for
 from tools.deploy import prepare_sample_store
 
@@ -40,10 +40,18 @@ def answers_of(collector, prefix: str) -> list[dict]:
     return [p for p in collector.snapshot().predictions if p["event_id"].startswith(prefix)]
 
 
-def check_outage_degrades(deployment, kafka, world, outage, outage_s: float) -> None:
+def check_outage_degrades(
+    deployment, kafka, world, outage, outage_s: float, metrics_port: int | None = None
+) -> None:
     """Through an outage of `outage_s`, events sent in tens are each answered within
     seconds, as DEGRADED by the fallback model (or OK from features cached before), and
-    the worker never exits; full answers resume after it."""
+    the worker never exits; full answers resume after it. With `metrics_port`, the
+    breaker's state gauge says open or probing during it and closed after."""
+
+    def breaker_state() -> float:
+        samples = scrape(metrics_port)
+        return total(samples, "headrace_feature_store_state", service=spec.feature_service)
+
     spec = deployment.spec
     collector = collector_for(deployment)
 
@@ -78,6 +86,8 @@ def check_outage_degrades(deployment, kafka, world, outage, outage_s: float) -> 
                     batch += 1
                 answers = answers_of(collector, "during")
                 assert worker.poll() is None
+                if metrics_port is not None:
+                    assert breaker_state() in (1, 2)  # open, or probing the store
             degraded = [a for a in answers if a["status"] == "DEGRADED"]
             # Events whose features were cached before the outage may still be answered OK.
             assert {a["status"] for a in answers} <= {"OK", "DEGRADED"}
@@ -89,6 +99,8 @@ def check_outage_degrades(deployment, kafka, world, outage, outage_s: float) -> 
             # Back: a probe finds the store within a second or so; full answers resume.
             assert wait_until(lambda: answered_in_full("after"), 60, 1.0), deployment.log_tail()
             assert worker.poll() is None
+            if metrics_port is not None:
+                assert wait_until(lambda: breaker_state() == 0, 30)  # closed: reading again
     finally:
         collector.stop()
     assert "store unavailable" in deployment.log_file.read_text()
@@ -96,11 +108,13 @@ def check_outage_degrades(deployment, kafka, world, outage, outage_s: float) -> 
 
 def test_a_locked_sqlite_store_degrades_then_recovers(deploy, kafka, sample_assets):
     # Views read per key (kept whole, they would answer from memory: the next test).
-    deployment = deploy(latency_budget_ms=BUDGET_MS,
+    port = free_port()
+    deployment = deploy(latency_budget_ms=BUDGET_MS, metrics_port=port,
                         feature_cache={"whole_view_max_entities": 0})  # fmt: skip
     check_outage_degrades(
-        deployment, kafka, sample_assets.world, lambda: sqlite_locked(sample_assets.repo), 10.0
-    )
+        deployment, kafka, sample_assets.world, lambda: sqlite_locked(sample_assets.repo), 10.0,
+        metrics_port=port,
+    )  # fmt: skip
 
 
 def test_views_kept_whole_answer_in_full_through_a_short_store_outage(deploy, kafka, sample_assets):
