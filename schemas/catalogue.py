@@ -229,17 +229,16 @@ class RegistryCatalogue:
 
     def id_for(self, subject: str, schema: dict[str, Any]) -> int:
         from confluent_kafka.schema_registry import Schema
-        from confluent_kafka.schema_registry.error import SchemaRegistryError
 
         try:
             schema_id = self._client.register_schema(subject, Schema(json.dumps(schema), "AVRO"))
-        except SchemaRegistryError as exc:  # it answered: a refusal, not an outage
-            raise RegistryError(
-                f"the registry at {self.url} refused {schema.get('name')} under subject "
-                f"{subject!r}: {exc}; hint: the subject's compatibility rules decide what "
-                "it takes"
-            ) from exc
         except Exception as exc:
+            if _refusal(exc):  # it answered: no outage, and an id kept from before is stale
+                raise RegistryError(
+                    f"the registry at {self.url} refused {schema.get('name')} under subject "
+                    f"{subject!r}: {exc}; hint: the subject's compatibility rules decide "
+                    "what it takes"
+                ) from exc
             known = self._known.id_of(subject, schema)
             if known is not None:
                 log.warning(
@@ -250,8 +249,8 @@ class RegistryCatalogue:
             raise RegistryUnavailable(
                 f"schema registry at {self.url} could not be reached ({_reason(exc)}) to "
                 f"register {schema.get('name')} under subject {subject!r}; hint: is the "
-                "registry running? (a local one: `headrace registry start`); a worker that "
-                "registered it once starts without the registry, from "
+                "registry running? (a local one: `headrace registry start`); once a "
+                "schema is registered, workers start without the registry, from "
                 "registry.known_schemas_file"
             ) from exc
         self._known.remember_subject(subject, schema, schema_id)
@@ -262,11 +261,28 @@ class RegistryCatalogue:
         try:
             registered = self._client.get_latest_version(subject)
         except Exception as exc:
+            if not _refusal(exc):
+                raise RegistryUnavailable(
+                    f"schema registry at {self.url} could not be reached ({_reason(exc)}) "
+                    f"for the latest version of subject {subject!r}; hint: is the registry "
+                    "running? (a local one: `headrace registry start`)"
+                ) from exc
             raise RegistryError(
                 f"no latest version of subject {subject!r} at {self.url}: {exc}; "
                 "hint: register the producers' schema, or set input.schema to an .avsc file"
             ) from exc
         return json.loads(registered.schema.schema_str)
+
+
+def _refusal(exc: BaseException) -> bool:
+    """Whether the registry answered and said no (a 4xx); a 5xx, a timeout or no answer
+    at all is an outage (a proxy before a registry that is down answers 502)."""
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    if not isinstance(exc, SchemaRegistryError):
+        return False
+    status = exc.http_status_code
+    return 400 <= status < 500 and status not in (408, 429)
 
 
 def _reason(exc: BaseException) -> str:

@@ -37,7 +37,7 @@ from streams.config import HeadraceConfig, PipelineConfig
 from streams.control import ControlFollower, ensure_control_topics
 from streams.decode import EventDecoder
 from streams.encode import AnswerEncoder, derived_schema
-from streams.errors import ConfigError, TransactionFenced
+from streams.errors import ConfigError, PublishError, TransactionFailed, TransactionFenced
 from streams.freeze import FreezeWatch
 from streams.health import Health
 from streams.infer import Model
@@ -321,19 +321,19 @@ def warm_paths(publisher: Publisher, wired: dict[str, Wired]) -> None:
 
 
 def exit_on_fatal(error: BaseException, records: Sequence[InputRecord]) -> NoReturn:
-    """Log the batch that could not be written and end the process (exit 70) without
-    committing it: one line with a hint for the failures headrace names (Kafka stayed
-    unwritable, the producer was fenced, ...), a traceback only for anything else (a
-    bug)."""
-    where = (
-        f" from {records[0].topic}[{records[0].partition}]@{records[0].offset}" if records else ""
-    )
+    """Log what could not be written and end the process (exit 70) without committing
+    it: one line with a hint for the failures headrace names (Kafka stayed unwritable,
+    the producer was fenced, ...), a traceback only for anything else (a bug)."""
+    if records:
+        first = records[0]
+        what = f"a batch of {len(records)} from {first.topic}[{first.partition}]@{first.offset}"
+    else:
+        what = "what it was answering"
     named = isinstance(error, HeadraceError)
     log.critical(
-        "giving up on a batch of %d%s: %s. Exiting (70) without committing it: a restarted "
-        "worker answers it again%s",
-        len(records),
-        where,
+        "giving up on %s: %s. Exiting (70) without committing it: a restarted worker "
+        "answers it again%s",
+        what,
         error if named else repr(error),
         "" if "hint: " in str(error) else f"; hint: {_fatal_hint(error)}",
         exc_info=None if named else error,
@@ -349,11 +349,13 @@ def _fatal_hint(error: BaseException) -> str:
             "another worker with this worker's transactional id (app_id.broker.instance_id) "
             "took over: give each worker its own broker.instance_id"
         )
-    if isinstance(error, HeadraceError):
+    if isinstance(error, PublishError | TransactionFailed):
         return (
             "check that the brokers are up and that the output and dead-letter topics take "
             "these records; run workers under a supervisor that restarts them"
         )
+    if isinstance(error, HeadraceError):
+        return "the failure is named before this hint; run workers under a supervisor"
     return "a bug in headrace: please report it with its traceback"
 
 

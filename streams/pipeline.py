@@ -241,7 +241,6 @@ class Pipeline:
         An event moved off the full path after its features were read can still take
         the fallback model: it has every input."""
         serving = prepared.serving
-        prepared.run_seconds.clear()  # a retried stage counts its runs again
         routes = {item.route for item in prepared.admitted}
         runs = [
             self._run(prepared, route, model)
@@ -306,21 +305,40 @@ class Pipeline:
         self, prepared: Prepared, route: Route, items: list[Item], seconds: float
     ) -> None:
         """Count a model's run; an answer that is NaN or infinite (an input past what the
-        model's math holds) is never kept: the full model's go to the fallback model,
-        the fallback's down the rest of the ladder (cache, default, shed)."""
+        model's math holds) is never kept: the full model's are answered by the fallback
+        model where it can, the rest go down the ladder after the models (cache, default,
+        shed)."""
         if route is Route.FULL:
             self.metrics.stage["inference"].observe(seconds)
-        prepared.run_seconds[route] = prepared.run_seconds.get(route, 0.0) + seconds
+        prepared.run_seconds[route] = seconds
         unusable = [item for item in items if not _finite(item.answer)]
-        if route is Route.FULL and self.fallback is not None and unusable:
-            for item in unusable:
-                item.route, item.reason = Route.FALLBACK, NON_FINITE
-            fallback_s = await self.fallback.run(unusable, prepared.rows)
-            await self._answered(prepared, Route.FALLBACK, unusable, fallback_s)
-            return
+        if route is Route.FULL and unusable:
+            unusable = await self._rescue(prepared, unusable)
         for item in unusable:
             decision = self.admission.without_model(item.cached is not None)
             item.route, item.reason = decision.route, decision.reason
+
+    async def _rescue(self, prepared: Prepared, items: list[Item]) -> list[Item]:
+        """The fallback model's answers for events the full model answered with NaN or
+        infinity; returns those still without a usable one. Only events it has every
+        input for (a fallback that reads the store needs the event's row). Its run is
+        rare and not counted as the batch's fallback run: it would skew that estimate."""
+        fallback = self.fallback
+        able = [i for i in items if fallback is not None and (not fallback.needs_store
+                                                               or i.row is not None)]  # fmt: skip
+        if not able:
+            return items
+        try:
+            await fallback.run(able, prepared.rows)
+        except ModelError as exc:  # the ladder answers them instead
+            log.warning("pipeline %s: the fallback model failed on %d events the full "
+                        "model answered with NaN or infinity: %s",
+                        self.config.name, len(able), exc)  # fmt: skip
+            return items
+        for item in able:
+            item.route, item.reason = Route.FALLBACK, NON_FINITE
+        rescued = {id(item) for item in able}
+        return [item for item in items if id(item) not in rescued or not _finite(item.answer)]
 
     async def publish(self, prepared: Prepared) -> None:
         """Encode an outcome for every input and write them all; returns once Kafka has

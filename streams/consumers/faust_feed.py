@@ -163,7 +163,7 @@ class _LoopConsumer(faust_aiokafka.AIOKafkaConsumerThread):
         assigned = {(tp.topic, tp.partition): tp for tp in consumer.assignment()}
         try:
             held = await asyncio.to_thread(reader.held, assigned)
-        except KafkaException:  # cannot tell: wait for them all, as the read does
+        except (KafkaException, TimeoutError):  # cannot tell: wait for them all, as the read does
             held = set()
         self.held = frozenset(assigned[where] for where in held)
         try:

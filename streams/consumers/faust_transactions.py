@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -83,6 +84,7 @@ class StableOffsets:
             "isolation.level": "read_committed",
         }
         self._admin: AdminClient | None = None
+        self._admin_made = threading.Lock()
 
     def __call__(self, partitions: Iterable[tuple[str, int]]) -> Mapping[tuple[str, int], int]:
         """(topic, partition) -> the committed offset, -1 where the group has none;
@@ -104,12 +106,14 @@ class StableOffsets:
     def held(self, partitions: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
         """The partitions whose committed offset an open transaction holds now, asked
         with the admin API, which answers for each partition at once where the
-        consumer's read waits for all of them. KafkaException when it cannot tell."""
+        consumer's read waits for all of them. KafkaException or TimeoutError when it
+        cannot tell."""
         wanted = list(partitions)
         if not wanted:
             return set()
-        if self._admin is None:
-            self._admin = AdminClient(self._client)
+        with self._admin_made:  # a cancelled wait's thread may still be asking
+            if self._admin is None:
+                self._admin = AdminClient(self._client)
         answer = ask_group_offsets(
             self._admin, self._group_id, wanted, require_stable=True, timeout_s=self._timeout_s
         )
@@ -130,7 +134,7 @@ async def released(reader: StableOffsets, partitions: Iterable[tuple[str, int]])
     deadline = asyncio.get_running_loop().time() + STABLE_WAIT_S
     while waiting:
         await asyncio.sleep(STABLE_POLL_S)
-        with contextlib.suppress(KafkaException):  # cannot tell now: ask again
+        with contextlib.suppress(KafkaException, TimeoutError):  # cannot tell now: ask again
             waiting = await asyncio.to_thread(reader.held, waiting)
         if waiting and asyncio.get_running_loop().time() > deadline:
             still = [TopicPartition(topic, partition) for topic, partition in sorted(waiting)]

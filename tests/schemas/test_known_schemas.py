@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from infra.ports import free_port
 from schemas.catalogue import RegistryCatalogue
-from schemas.errors import RegistryError
+from schemas.errors import RegistryError, RegistryUnavailable
 
 pytestmark = pytest.mark.integration
 
@@ -53,3 +56,40 @@ def test_a_registry_that_never_answers_fails_a_lookup_within_its_timeout(tmp_pat
         with pytest.raises(RegistryError, match="unreachable"):
             catalogue.schema_for_id(12345)
         assert time.monotonic() - started < 2.5
+
+
+@pytest.fixture
+def answering_503() -> Iterator[str]:
+    """The URL of a proxy whose registry is down: every request answered 503."""
+
+    class Unavailable(BaseHTTPRequestHandler):
+        def _refuse(self) -> None:
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_POST = _refuse
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/apis/ccompat/v7"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_registry_answering_503_is_down_not_refusing(registry, answering_503, tmp_path):
+    """A 5xx is an outage: the id kept from before is used, and a schema never met is
+    `RegistryUnavailable` (exit 69), not a refusal (exit 2)."""
+    known = tmp_path / "known-schemas.json"
+    answer_id = RegistryCatalogue(registry.url, 5.0, known).id_for("proxied-value", ANSWER)
+    proxied = RegistryCatalogue(answering_503, 2.0, known)
+    assert proxied.id_for("proxied-value", ANSWER) == answer_id
+    with pytest.raises(RegistryUnavailable, match="could not be reached"):
+        proxied.id_for("proxied-value", {**ANSWER, "name": "NeverMet"})
+    with pytest.raises(RegistryUnavailable):
+        proxied.latest("proxied-value")

@@ -583,7 +583,11 @@ def test_held_partitions_are_released_once_their_transaction_ends(kafka, topics,
         await asyncio.to_thread(producer.commit_transaction, 30)
         await asyncio.wait_for(waiting, 30)
 
-    asyncio.run(wait_for_the_commit())
+    try:
+        asyncio.run(wait_for_the_commit())
+    finally:
+        with contextlib.suppress(KafkaException):  # committed already, unless it failed
+            producer.abort_transaction(30)
     assert reader([(topics["in"], 0)]) == {(topics["in"], 0): 5}
 
 
