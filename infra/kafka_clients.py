@@ -223,12 +223,13 @@ def ask_group_offsets(
     require_stable: bool,
     timeout_s: float,
 ) -> Future:
-    """Ask the admin API for `group`'s committed offsets of `partitions`: a future of the
-    answer's TopicPartitions, each with its offset (-1001: none committed) or an error of
-    its own. With `require_stable`, a partition whose offset an open transaction holds is
-    answered at once with UNSTABLE_OFFSET_COMMIT; without, with its last committed offset
-    (the consumer's own read, under read_committed, waits for the transaction instead).
-    Serves the client's queued log lines first: nothing else polls an admin client."""
+    """Ask the admin API for `group`'s committed offsets of `partitions`: a future of its
+    answer, whose `topic_partitions` each carry an offset (-1001: none committed) or an
+    error of their own. With `require_stable`, a partition whose offset an open
+    transaction holds is answered at once with UNSTABLE_OFFSET_COMMIT; without, with its
+    last committed offset (the consumer's own read, under read_committed, waits for the
+    transaction instead). Serves the client's queued log lines first: nothing else polls
+    an admin client."""
     admin.poll(0)
     request = ConsumerGroupTopicPartitions(
         group, [TopicPartition(topic, partition) for topic, partition in partitions]
@@ -236,16 +237,7 @@ def ask_group_offsets(
     (answer,) = admin.list_consumer_group_offsets(
         [request], require_stable=require_stable, request_timeout=timeout_s
     ).values()
-    offsets: Future = Future()
-
-    def answered(done: Future) -> None:
-        try:
-            offsets.set_result(done.result().topic_partitions)
-        except Exception as exc:  # the broker away, the coordinator moving
-            offsets.set_exception(exc)
-
-    answer.add_done_callback(answered)
-    return offsets
+    return answer
 
 
 def _short(reason: str) -> str:

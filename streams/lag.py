@@ -352,7 +352,8 @@ class CommittedOffsets:
 
         def answered(done: Future) -> None:
             try:
-                offsets.set_result({(tp.topic, tp.partition): tp.offset for tp in done.result()})
+                found = done.result().topic_partitions
+                offsets.set_result({(tp.topic, tp.partition): tp.offset for tp in found})
             except Exception as exc:
                 offsets.set_exception(exc)
 

@@ -268,12 +268,10 @@ class BulkConsumer(faust_aiokafka.Consumer):
         them to the committed offsets and resume them. Past its wait the worker ends, as
         when the whole assignment waits."""
         reader = self.app.stable_offsets
+        where = [(tp.topic, tp.partition) for tp in held]
         try:
-            await released(reader, {(tp.topic, tp.partition) for tp in held})
-        except UnstableOffsets as exc:
-            self.app.on_unstable(exc)
-        try:
-            offsets = await asyncio.to_thread(reader, [(tp.topic, tp.partition) for tp in held])
+            await released(reader, where)
+            offsets = await asyncio.to_thread(reader, where)
         except UnstableOffsets as exc:
             self.app.on_unstable(exc)
         for tp in held:

@@ -118,7 +118,7 @@ class StableOffsets:
             self._admin, self._group_id, wanted, require_stable=True, timeout_s=self._timeout_s
         )
         held = set()
-        for tp in answer.result(timeout=self._timeout_s + 5):
+        for tp in answer.result(timeout=self._timeout_s + 5).topic_partitions:
             if tp.error is not None:
                 if tp.error.code() != KafkaError.UNSTABLE_OFFSET_COMMIT:
                     raise KafkaException(tp.error)
