@@ -159,14 +159,14 @@ def is_member(metadata: bytes) -> bool:
     (each NUL-terminated), then the instance id. A consumer that has not joined (or
     lost its membership) has generation -1 or no member id; offsets sent with
     generation -1 skip the coordinator's generation check, so they must never be sent."""
-    identity = _member_identity(metadata)
+    identity = member_identity(metadata)
     if identity is None:
         return True  # a format this code does not know: leave the check to the broker
     generation, member_id = identity
     return generation >= 0 and member_id != b""
 
 
-def _member_identity(metadata: bytes) -> tuple[int, bytes] | None:
+def member_identity(metadata: bytes) -> tuple[int, bytes] | None:
     """(generation, member id) of librdkafka's group metadata; None for another format."""
     if not metadata.startswith(_MAGIC) or len(metadata) < len(_MAGIC) + 4:
         return None
@@ -464,10 +464,10 @@ class TransactionalPublisher(Publisher):
             return False
         self._metadata = None
         try:
-            now = _member_identity(await self._member_metadata())  # a member again
+            now = member_identity(await self._member_metadata())  # a member again
         except PublishError:
             return False
-        was = _member_identity(sent)
+        was = member_identity(sent)
         return now is not None and was is not None and now[1] != was[1]
 
     async def _member_metadata(self) -> bytes:

@@ -21,6 +21,8 @@ go into the transaction that writes its outcomes (`streams/transact.py`), sent w
 consumer's group metadata, which the poll thread reads for the publisher. A partition
 revoked before the transactions of what was handed over from it are committed ends
 the worker (exit 70): committing them later could repeat its next owner's answers.
+So does librdkafka keeping partitions the group took away (a session that lapsed
+during a rebalance: `streams/membership.py`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from streams.config import HeadraceConfig
 from streams.drain import DrainDeadline
 from streams.health import Health
 from streams.lag import CommittedOffsets, ConfluentMarks, InputProgress
+from streams.membership import CHECK_EVERY_S, Membership, PartitionsKept
 from streams.publish import DEFAULT_PRODUCER_CONFIG
 from streams.records import InputRecord
 from streams.replay import AnsweredBefore
@@ -138,6 +141,10 @@ class BareConsumer:
         self._transactions = transactions
         self._on_fatal = on_fatal
         self._answered_before = answered_before
+        # Exactly-once: the member id of the assignment, checked for librdkafka keeping
+        # partitions the group took away (`streams/membership.py`); poll thread's.
+        self._membership = Membership()
+        self._membership_checked_at = 0.0
         # Whether the poll thread runs `_calls` (else they run where they are made).
         self._polling = True
         if transactions is not None:
@@ -194,6 +201,7 @@ class BareConsumer:
     def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
         while not self._stopping.is_set():
             self._health.turned()
+            self._check_membership_now_and_then()
             self._run_queued_calls()
             self._apply_bounds()
             self._marks.refresh()
@@ -288,6 +296,9 @@ class BareConsumer:
         the inputs past their committed offsets already answered are handed to the
         runners first (queued on the loop ahead of the records)."""
         self._health.joined(True)
+        if self._transactions is not None:
+            holding = bool(partitions) or bool(self._consumer.assignment())
+            self._checked_metadata(lambda metadata: self._membership.assigned(metadata, holding))
         if self._answered_before is None or not partitions:
             return
         found = self._answered_before.scan((tp.topic, tp.partition) for tp in partitions)
@@ -300,7 +311,12 @@ class BareConsumer:
         """Poll thread, inside `poll`, before `partitions` go to another member: wait
         for the runners to write what was handed over from them (their acks arrive as
         queued calls), then commit, so the next owner starts after the last answer."""
+        if self._transactions is not None:  # a revoke under a new member id: kept
+            self._checked_metadata(self._membership.check)
         self._finish(partitions, self._revoke_timeout_s)
+        held = {(tp.topic, tp.partition) for tp in consumer.assignment()}
+        if not held - {(tp.topic, tp.partition) for tp in partitions}:
+            self._membership.released()
         try:
             consumer.commit(asynchronous=False)
         except KafkaException as exc:  # nothing stored since the last commit, mostly
@@ -324,6 +340,7 @@ class BareConsumer:
         them."""
         eos = self._transactions is not None
         self._finish(partitions, self._revoke_timeout_s / 2 if eos else LOST_WAIT_S)
+        self._membership.released()
 
     def _finish(self, partitions: list[TopicPartition], timeout_s: float) -> None:
         """Wait up to `timeout_s` for what was handed over from `partitions` to be
@@ -352,7 +369,7 @@ class BareConsumer:
         answer: asyncio.Future[bytes] = loop.create_future()
 
         def read() -> None:
-            metadata = self._consumer.consumer_group_metadata()
+            metadata = self._checked_metadata(self._membership.check)
             loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(metadata))
 
         if self._polling:
@@ -360,6 +377,28 @@ class BareConsumer:
         else:
             read()  # nothing polls any more (the final drain)
         return await answer
+
+    def _check_membership_now_and_then(self) -> None:
+        """Poll thread, every `CHECK_EVERY_S` under exactly-once: `_checked_metadata`."""
+        if self._transactions is None:
+            return  # at least once marks what a lapsed session may repeat (streams/freeze.py)
+        now = time.monotonic()
+        if now - self._membership_checked_at >= CHECK_EVERY_S:
+            self._membership_checked_at = now
+            self._checked_metadata(self._membership.check)
+
+    def _checked_metadata(self, check: Callable[[bytes], None]) -> bytes:
+        """Poll thread: the consumer's group metadata, once `check` found that librdkafka
+        kept no partitions the group took away; where it did (`streams/membership.py`),
+        the worker ends (exit 70) before it commits anything more."""
+        metadata = self._consumer.consumer_group_metadata()
+        try:
+            check(metadata)
+        except PartitionsKept as exc:
+            if self._on_fatal is None:
+                raise
+            self._on_fatal(exc, [])
+        return metadata
 
     def _give_up_held(self, revoked: list[tuple[str, int]]) -> None:
         """Poll thread, before `revoked` go: the records the runners hold from them for
