@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +23,7 @@ from schemas.codec import AvroDecoder, AvroEncoder
 from tests.chaos.conftest import input_offsets, outcomes_per_input, produce_in_order
 from tests.chaos.test_poison import audited
 from tests.helpers import wait_until
+from tests.streams.test_worker import offline_scores
 from tools.collector import OutcomeCollector
 from tools.deploy import start_worker, stop_worker
 from tools.loadgen import sample_events
@@ -75,6 +77,7 @@ class Outage:
         self.v2 = AvroEncoder(catalogue, evolved_schema(), subject)
         assert self.v1.schema_id != self.v2.schema_id
         self.events = sample_events(sample_assets.world, seed=41, prefix=f"outage-{runtime}")
+        self.sent: dict[str, dict] = {}  # by event id
         self.collector = OutcomeCollector(
             self.bootstrap, spec.output_topic, spec.dead_letter_topic,
             AvroDecoder(RegistryCatalogue(registry.url, timeout_s=10), "prediction.avsc"),
@@ -86,6 +89,7 @@ class Outage:
         values = []
         for _ in range(count):
             event = {**next(self.events), **extra}
+            self.sent[event["event_id"]] = event
             # One key per partition: its answers keep their order on the output topic.
             values.append((b"p%d" % partition, encoder.encode(event)))
         return produce_in_order(self.bootstrap, self.topic, values, partition)
@@ -158,6 +162,12 @@ def test_a_new_id_during_an_outage_stalls_only_its_partition(
     assert {a["status"] for a in outcomes.predictions} == {"OK"}
     assert "giving up" not in outage.log() and "Traceback" not in outage.log()
     audited(deployment, len(inputs))
+    # Decoded through the registry across its restart, both versions: the model's
+    # answers are those of the same events scored offline.
+    events = [outage.sent[answer["event_id"]] for answer in outcomes.predictions]
+    offline = offline_scores(sample_assets.repo, deployment.spec, sample_assets.model, events)
+    served = np.array([answer["score"] for answer in outcomes.predictions], dtype=np.float32)
+    np.testing.assert_allclose(served, offline, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("runtime", ["bare", "faust"])
