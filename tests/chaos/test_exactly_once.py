@@ -20,7 +20,7 @@ from tests.helpers import wait_until
 from tests.streams.test_worker import collector_for
 from tools.audit import audit, format_report
 from tools.collector import OutcomeCollector
-from tools.deploy import group_spread, stop_worker
+from tools.deploy import group_spread, start_process, stop_worker
 
 pytestmark = pytest.mark.integration
 
@@ -215,6 +215,58 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
     finally:
         reader.stop()
     each_answered_once(bootstrap, deployment, f"{runtime} exactly_once, frozen {frozen_s:.0f} s")
+
+
+def stopped(process) -> bool:
+    """Whether `process` is stopped (SIGSTOP)."""
+    with open(f"/proc/{process.pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_exactly_once_a_worker_frozen_inside_a_rebalance_commits_nothing_twice(
+    chaos_deploy, kafka, sample_assets
+):
+    """Bare runtime: a worker stops itself at the end of the revoke a second worker's
+    join starts, still inside the rebalance, for longer than its session. librdkafka
+    then skips its lost-assignment callback: the worker wakes holding its other
+    partitions and their old positions, and joins again as a new member. It must end
+    (exit 70) before it commits from them: `joined again as a new member ... without
+    giving up its partitions` (streams/membership.py), or, where the group revokes
+    them first, `revoked with N records not yet committed`. A read_committed reader
+    sees each input once."""
+    deployment = chaos_deploy("bare", delivery="exactly_once")
+    bootstrap = kafka.bootstrap_servers
+    topic = deployment.spec.input_topic
+    frozen_s = deployment.config.broker.session_timeout_ms / 1000 + 4
+    reader = collector_for(deployment, isolation_level="read_committed")
+    config = str(deployment.config_file)
+    arguments = ["-m", "tests.chaos.frozen_in_revoke", "worker", "-c", config, "-l", "warn"]
+    try:
+        frozen = start_process(arguments, deployment.log_file)
+        deployment.started.append(frozen)
+        with ExitStack() as load:
+            world = sample_assets.world
+            load.enter_context(steady_load(kafka, deployment, world, per_s=RATE_PER_S))
+            assert wait_until(lambda: answered(reader) > RATE_PER_S, 120), deployment.log_tail()
+            with deployment.worker():  # its join starts the rebalance
+                assert wait_until(lambda: stopped(frozen), 60), deployment.log_tail()
+                time.sleep(frozen_s)  # the fault itself: frozen past the session timeout
+                frozen.send_signal(signal.SIGCONT)
+                now = answered(reader)
+                assert wait_until(lambda: answered(reader) > now + RATE_PER_S, 60), (
+                    deployment.log_tail()
+                )
+                load.close()
+                assert wait_until(lambda: all_answered(reader, bootstrap, topic), 60), (
+                    deployment.log_tail()
+                )
+                ended = stop_worker(frozen)
+            ended_as_it_must(deployment, ended)
+    finally:
+        reader.stop()
+    kept = "as a new member" in deployment.log_file.read_text(errors="replace")
+    what = f"bare frozen in a rebalance: exit {ended}, partitions kept {kept}"
+    each_answered_once(bootstrap, deployment, what)
 
 
 @pytest.mark.parametrize("runtime", ["bare", "faust"])
