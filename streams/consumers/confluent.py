@@ -139,10 +139,13 @@ class BareConsumer:
         self._health = health
         self._drain_timeout_s = config.drain_timeout_s
         self._transactions = transactions
+        if transactions is not None and on_fatal is None:
+            raise ValueError("exactly-once needs on_fatal: a worker that must not commit ends")
         self._on_fatal = on_fatal
         self._answered_before = answered_before
         # Exactly-once: the member id of the assignment, checked for librdkafka keeping
-        # partitions the group took away (`streams/membership.py`); poll thread's.
+        # partitions the group took away (`streams/membership.py`); used by the thread
+        # that owns the consumer (the poll thread; the loop's once it ended).
         self._membership = Membership()
         self._membership_checked_at = 0.0
         # Whether the poll thread runs `_calls` (else they run where they are made).
@@ -311,7 +314,8 @@ class BareConsumer:
         """Poll thread, inside `poll`, before `partitions` go to another member: wait
         for the runners to write what was handed over from them (their acks arrive as
         queued calls), then commit, so the next owner starts after the last answer."""
-        if self._transactions is not None:  # a revoke under a new member id: kept
+        if self._transactions is not None:
+            # A revoke under a new member id: librdkafka kept these across a lapse.
             self._checked_metadata(self._membership.check)
         self._finish(partitions, self._revoke_timeout_s)
         held = {(tp.topic, tp.partition) for tp in consumer.assignment()}
@@ -388,9 +392,10 @@ class BareConsumer:
             self._checked_metadata(self._membership.check)
 
     def _checked_metadata(self, check: Callable[[bytes], None]) -> bytes:
-        """Poll thread: the consumer's group metadata, once `check` found that librdkafka
-        kept no partitions the group took away; where it did (`streams/membership.py`),
-        the worker ends (exit 70) before it commits anything more."""
+        """The consumer's group metadata, once `check` found that librdkafka kept no
+        partitions the group took away; where it did (`streams/membership.py`), the
+        worker ends (exit 70) before it commits anything more. On the thread that owns
+        the consumer."""
         metadata = self._consumer.consumer_group_metadata()
         try:
             check(metadata)
