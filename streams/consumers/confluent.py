@@ -358,7 +358,7 @@ class BareConsumer:
             with contextlib.suppress(queue.Empty):
                 self._calls.get(timeout=0.05)()
         left = sum(max(0, self._unwritten[tp]) for tp in revoked)
-        if left and self._transactions is not None and self._on_fatal is not None:
+        if left and self._transactions is not None:  # on_fatal set: see the constructor
             self._on_fatal(UnfinishedRevoke(left, revoked), [])
         if left:
             log.warning("%d records of revoked partitions not written in time: their "
@@ -400,9 +400,7 @@ class BareConsumer:
         try:
             check(metadata)
         except PartitionsKept as exc:
-            if self._on_fatal is None:
-                raise
-            self._on_fatal(exc, [])
+            self._on_fatal(exc, [])  # set: the constructor refuses exactly-once without it
         return metadata
 
     def _give_up_held(self, revoked: list[tuple[str, int]]) -> None:
