@@ -722,6 +722,17 @@ def demo(
 @click.option("--max-batch-size", default=64, show_default=True)
 @click.option("--max-wait-ms", default=5.0, show_default=True)
 @click.option(
+    "--fetch-min-bytes",
+    type=click.IntRange(min=1),
+    help="The workers' and the relay's broker.fetch_min_bytes [default: the config's, 16384].",
+)
+@click.option(
+    "--fetch-max-wait-ms",
+    type=click.IntRange(0, 1000),
+    help="Their broker.fetch_max_wait_ms [default: 5]; 500 with --fetch-min-bytes 1 answers "
+    "every fetch on its first byte (latency first).",
+)
+@click.option(
     "--no-baselines",
     is_flag=True,
     help="Only headrace's runtimes among the systems (no naive, Kafka, relay, ONNX, MLServer).",
@@ -804,6 +815,8 @@ def bench(
     partitions: int | None,
     max_batch_size: int,
     max_wait_ms: float,
+    fetch_min_bytes: int | None,
+    fetch_max_wait_ms: int | None,
     no_baselines: bool,
     systems: tuple[str, ...],
     scenario: str,
@@ -839,6 +852,8 @@ def bench(
         partitions=partitions or (12 if scenario == "scaleout" else 3),
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
+        fetch_min_bytes=fetch_min_bytes,
+        fetch_max_wait_ms=fetch_max_wait_ms,
         baselines=not no_baselines,
         systems=systems or BenchSettings.model_fields["systems"].default,
         scenario=scenario,

@@ -128,6 +128,12 @@ class BenchSettings(BaseModel):
     partitions: int = Field(3, ge=1, le=64)
     max_batch_size: int = Field(64, ge=1, le=4096)
     max_wait_ms: float = Field(5.0, ge=0)
+    fetch_min_bytes: int | None = Field(None, ge=1)
+    """The workers' and the relay's `broker.fetch_min_bytes` (None: the worker config's
+    default). With `fetch_max_wait_ms` 500 and 1 byte, every fetch is answered on its
+    first byte: the latency-first setting."""
+    fetch_max_wait_ms: int | None = Field(None, ge=0, le=1000)
+    """The workers' and the relay's `broker.fetch_max_wait_ms` (None: the default)."""
     baselines: bool = True
     systems: tuple[Literal["kafka", "relay", "headrace", "bare", "naive", "mlserver"], ...] = (
         "kafka", "relay", "headrace", "bare", "naive", "mlserver")  # fmt: skip
@@ -538,15 +544,21 @@ class Bench:
         finally:
             system.reader.stop()
 
+    def _fetch_settings(self) -> dict[str, int]:
+        """The fetch settings the run sets for workers and relay (the others: defaults)."""
+        chosen = {"fetch_min_bytes": self.settings.fetch_min_bytes,
+                  "fetch_max_wait_ms": self.settings.fetch_max_wait_ms}  # fmt: skip
+        return {name: value for name, value in chosen.items() if value is not None}
+
     def _run_relay(self) -> list[StepResult]:
         """A plain confluent-kafka relay (consume, produce, nothing else) fetching as the
-        bare runtime does by default: in the same run as the workers, the Kafka floor of
+        run's bare workers do: in the same run as the workers, the Kafka floor of
         their CPU per event and latency, and the ceiling of their rate."""
         source = self._topic("relay-in", self.settings.partitions)
         sink = self._topic("relay-out", self.settings.partitions)
-        defaults = BrokerConfig()
-        fetch = {"fetch.min.bytes": defaults.fetch_min_bytes,
-                 "fetch.wait.max.ms": defaults.fetch_max_wait_ms}  # fmt: skip
+        fetching = BrokerConfig(**self._fetch_settings())
+        fetch = {"fetch.min.bytes": fetching.fetch_min_bytes,
+                 "fetch.wait.max.ms": fetching.fetch_max_wait_ms}  # fmt: skip
         log = LatencyLog()
         system = SystemUnderTest("relay", source, raw_reader(self.bootstrap, [sink], log), log,
                                  profiled=False)  # fmt: skip
@@ -640,6 +652,7 @@ class Bench:
             delivery=self.settings.delivery if worker else "at_least_once",
             tracing=self._tracing() if worker else None,
         )
+        config["broker"].update(self._fetch_settings())
         if amend is not None:
             amend(config)
         config_file = self.state_dir / f"{name}.yaml"

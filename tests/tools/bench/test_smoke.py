@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from streams.config import load_config
 from tools.bench.harness import Bench, BenchSettings
 from tools.bench.report import write_reports
 
@@ -26,6 +27,9 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
         idle_s=0.5,
         # Not MLServer: it needs its own environment, built from PyPI (never by the tests).
         systems=("kafka", "relay", "headrace", "bare", "naive"),
+        # The latency-first fetch settings, which reach every worker's config.
+        fetch_min_bytes=1,
+        fetch_max_wait_ms=500,
         bootstrap_servers=kafka.bootstrap_servers,
         # The session's assets folder: the trained model is reused.
         state_dir=sample_assets.repo.parent,
@@ -34,6 +38,9 @@ def test_tiny_sweep_produces_a_self_consistent_report(kafka, sample_assets, tmp_
     paths = write_reports(results, tmp_path / "report")
 
     assert paths["plot"].stat().st_size > 0
+    for runtime in ("headrace", "bare"):
+        broker = load_config(settings.state_dir / f"{runtime}.yaml").broker
+        assert (broker.fetch_min_bytes, broker.fetch_max_wait_ms) == (1, 500)
     assert "## Verdicts" in paths["markdown"].read_text()
     report = json.loads(paths["json"].read_text())
     systems = {step["system"] for step in report["steps"]}

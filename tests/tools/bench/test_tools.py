@@ -129,6 +129,18 @@ def test_without_baselines_the_sweep_keeps_the_runtimes_asked_for():
     assert BenchSettings(systems=("kafka", "bare")).swept_systems() == ("kafka", "bare")
 
 
+def test_fetch_settings_given_to_the_bench_reach_workers_and_relay_and_only_those():
+    quiet = {"echo": lambda *_a, **_k: None}
+    assert Bench(BenchSettings(), **quiet)._fetch_settings() == {}
+    latency_first = BenchSettings(fetch_min_bytes=1, fetch_max_wait_ms=500)
+    assert Bench(latency_first, **quiet)._fetch_settings() == {
+        "fetch_min_bytes": 1, "fetch_max_wait_ms": 500,
+    }  # fmt: skip
+    assert Bench(BenchSettings(fetch_max_wait_ms=2), **quiet)._fetch_settings() == {
+        "fetch_max_wait_ms": 2
+    }
+
+
 def test_a_failing_sweep_step_runs_again_and_bisection_repeats_must_all_pass():
     """The sweep's rules on a system that passes up to 300/s, with one noisy failure at
     200/s: the rerun stands, so the noise does not set the bracket."""
