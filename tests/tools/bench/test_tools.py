@@ -129,7 +129,7 @@ def test_without_baselines_the_sweep_keeps_the_runtimes_asked_for():
     assert BenchSettings(systems=("kafka", "bare")).swept_systems() == ("kafka", "bare")
 
 
-def test_fetch_settings_given_to_the_bench_reach_workers_and_relay_and_only_those():
+def test_the_bench_overrides_only_the_fetch_settings_it_was_given():
     quiet = {"echo": lambda *_a, **_k: None}
     assert Bench(BenchSettings(), **quiet)._fetch_settings() == {}
     latency_first = BenchSettings(fetch_min_bytes=1, fetch_max_wait_ms=500)
