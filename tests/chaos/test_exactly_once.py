@@ -230,7 +230,7 @@ def test_exactly_once_a_worker_frozen_inside_a_rebalance_commits_nothing_twice(
     join starts, still inside the rebalance, for longer than its session. librdkafka
     then skips its lost-assignment callback: the worker wakes holding its other
     partitions and their old positions, and joins again as a new member. It must end
-    (exit 70) before it commits from them: `joined again as a new member ... without
+    (exit 70) before it commits from them: `its member id changed ... without it
     giving up its partitions` (streams/membership.py), or, where the group revokes
     them first, `revoked with N records not yet committed`. A read_committed reader
     sees each input once."""
@@ -264,7 +264,7 @@ def test_exactly_once_a_worker_frozen_inside_a_rebalance_commits_nothing_twice(
             ended_as_it_must(deployment, ended)
     finally:
         reader.stop()
-    kept = "as a new member" in deployment.log_file.read_text(errors="replace")
+    kept = "its member id changed" in deployment.log_file.read_text(errors="replace")
     what = f"bare frozen in a rebalance: exit {ended}, partitions kept {kept}"
     each_answered_once(bootstrap, deployment, what)
 
