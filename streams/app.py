@@ -425,6 +425,15 @@ def _stop_while_starting(_signum, _frame) -> NoReturn:
     raise SystemExit(0)
 
 
+def use_event_loop(config: HeadraceConfig) -> None:
+    """Install the config's event loop implementation; call before anything asks for a
+    loop: Faust and the bare runtime both take the policy's."""
+    if config.event_loop == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
     """Run until SIGTERM or SIGINT; on a clean stop every answered input is committed."""
     if config.log_format == "json":
@@ -435,11 +444,7 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
     health = Health(config)
     serve_metrics(config, health)
     check_topics(config)
-    if config.event_loop == "uvloop":
-        import uvloop
-
-        # Before anything asks for a loop: Faust and the bare runtime both take the policy's.
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    use_event_loop(config)
     logging.getLogger().setLevel({"warn": "WARNING"}.get(log_level, log_level.upper()))
     with ExitStack() as resources:
         bootstrap = config.broker.bootstrap_servers

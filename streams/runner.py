@@ -32,11 +32,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn
 
 from features.errors import FeatureStoreError
 from models.errors import ModelError
-from streams import metrics
+from streams import eager, metrics
 from streams.admit import NO_RESERVATION, CompletionModel, Estimates, Reservation, Route
 from streams.backpressure import InFlight
 from streams.batching import BatchPolicy, MicroBatcher
@@ -140,7 +141,15 @@ class PipelineRunner:
             asyncio.Queue(maxsize=publish_ahead) if publish_ahead else None
         )
         self._tasks: list[asyncio.Task] = []
-        self._target_size = metrics.BATCH_TARGET.labels(self._name)
+        # Diagnostics gauges read at scrape time from what the last batch used: setting
+        # them per batch cost more than a batch of one's admission.
+        self._last_target_size = spec.max_batch_size
+        metrics.BATCH_TARGET.labels(self._name).set_function(lambda: self._last_target_size)
+        self._last_estimates: dict[str, Estimates] = {}
+        for check in ("admission", "inference"):
+            for path in ("full", "fallback"):
+                gauge = pipeline.metrics.estimate(path, check)
+                gauge.set_function(partial(self._last_estimate, path, check))
         self._inference_wait = metrics.QUEUE_SECONDS.labels(self._name, "inference")
         self._publish_wait = metrics.QUEUE_SECONDS.labels(self._name, "publish")
         self._retries = metrics.RETRIES.labels(self._name)
@@ -330,7 +339,7 @@ class PipelineRunner:
     async def _release(self) -> None:
         while True:
             items = await self._batcher.next_batch()
-            self._target_size.set(self._batcher.target_size())
+            self._last_target_size = self._batcher.target_size()
             batch = _Batch(items)
             # Admit at once, before any feature or model work is spent.
             prepared = self.pipeline.prepare(items)
@@ -340,7 +349,8 @@ class PipelineRunner:
                 self.pipeline.route(prepared.admitted, estimates)
             full_events = prepared.count(Route.FULL)
             batch.reservation = self._completion.reserve(full_events, len(items), now)
-            features = asyncio.create_task(
+            # Started at once: a read the cache answers is done before the hand-off.
+            features = eager.start(
                 self._retrying(batch.records, "features", self.pipeline.read_features, prepared)
             )
             await self._to_infer.put((batch, prepared, features, self._clock()))
@@ -358,7 +368,7 @@ class PipelineRunner:
             full = [item for item in prepared.admitted if item.route is Route.FULL]
             estimates = self._estimates("inference", started, len(batch.items), batch.reservation)
             self.pipeline.route(full, estimates)
-            inference = asyncio.create_task(self._run_models(batch, prepared))
+            inference = eager.start(self._run_models(batch, prepared))  # inline runs end here
             await self._to_publish.put((batch, prepared, inference, self._clock()))
 
     async def _run_models(self, batch: _Batch, prepared: Prepared) -> None:
@@ -436,10 +446,15 @@ class PipelineRunner:
     def _estimates(
         self, check: str, now: float, batch_size: int, own: Reservation = NO_RESERVATION
     ) -> Estimates:
-        estimates = self._completion.estimates(now, batch_size, own)
-        self._metrics.estimate("full", check).set(estimates.full_s(1))
-        self._metrics.estimate("fallback", check).set(estimates.fallback_s)
+        estimates = self._last_estimates[check] = self._completion.estimates(now, batch_size, own)
         return estimates
+
+    def _last_estimate(self, path: str, check: str) -> float:
+        """The gauge's value: what the last batch's `check` estimated (0 before one)."""
+        estimates = self._last_estimates.get(check)
+        if estimates is None:
+            return 0.0
+        return estimates.full_s(1) if path == "full" else estimates.fallback_s
 
     async def _retrying(
         self, records: Sequence[InputRecord], stage: str, step: Callable[..., Awaitable], *args

@@ -35,7 +35,13 @@ import click
 from features.sample_data import SampleWorld
 from schemas.catalogue import open_catalogue
 from schemas.codec import AvroEncoder
-from streams.app import WARM_UP_TIMEOUT_S, input_schema, open_store_for, wire_pipeline
+from streams.app import (
+    WARM_UP_TIMEOUT_S,
+    input_schema,
+    open_store_for,
+    use_event_loop,
+    wire_pipeline,
+)
 from streams.backpressure import InFlight
 from streams.config import HeadraceConfig, load_config
 from streams.outgoing import Outgoing
@@ -92,6 +98,7 @@ def measure(
         values = [encoder.encode(event) for event in itertools.islice(events, DISTINCT_EVENTS)]
         runner = PipelineRunner(wired.pipeline, wired.decoder, InFlight(spec.name, 10**6, 10**5),
                                 ack=lambda handles: None, on_fatal=_raise)  # fmt: skip
+        use_event_loop(config)  # as a worker's: hand-offs cost what they cost there
         return asyncio.run(_run(runner, values, batch_sizes, pause_ms, windows))
 
 
