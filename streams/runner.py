@@ -141,8 +141,8 @@ class PipelineRunner:
             asyncio.Queue(maxsize=publish_ahead) if publish_ahead else None
         )
         self._tasks: list[asyncio.Task] = []
-        # Diagnostics gauges read at scrape time from what the last batch used: setting
-        # them per batch cost more than a batch of one's admission.
+        # Diagnostics gauges read at scrape time from what the last batch used, rather
+        # than set on every batch for a value read every few seconds.
         self._last_target_size = spec.max_batch_size
         metrics.BATCH_TARGET.labels(self._name).set_function(lambda: self._last_target_size)
         self._last_estimates: dict[str, Estimates] = {}
