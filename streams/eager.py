@@ -3,7 +3,7 @@
 The runner overlaps its stages by running each batch's feature read and model run as
 tasks. Most of them never wait: a batch the cache answers reads no store, and a short
 model run happens on the event loop (`models/pool.py`). As tasks they would still cost
-a task object and a loop iteration each, per batch (together about 6% of a batch of
+a task object and a loop iteration each, per batch (together about 3% of a batch of
 one, back to back: `python -m tools.bench.stages`). `start` runs the coroutine up to
 its first wait right away; one that finishes without waiting returns a future that is
 already done, and only one that waits becomes a task, which resumes it where it stopped.
