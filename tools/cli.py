@@ -699,6 +699,13 @@ def demo(
 @click.option(
     "--repeats", default=2, show_default=True, help="Runs of each refining rate (all must pass)."
 )
+@click.option(
+    "--passes",
+    type=click.IntRange(1, 4),
+    default=1,
+    show_default=True,
+    help="Sweeps of every system, each pass in the opposite order to the one before.",
+)
 @click.option("--no-profile", is_flag=True, help="No py-spy flame graphs of the workers.")
 @click.option(
     "--idle-s",
@@ -807,6 +814,7 @@ def bench(
     sweep_max: float,
     refine_steps: int,
     repeats: int,
+    passes: int,
     no_profile: bool,
     idle_s: float,
     warmup: float,
@@ -844,6 +852,7 @@ def bench(
         sweep_max_per_s=sweep_max,
         refine_steps=refine_steps,
         repeats=repeats,
+        passes=passes,
         profile=not no_profile,
         idle_s=idle_s,
         warmup_s=warmup,

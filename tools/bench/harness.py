@@ -135,6 +135,11 @@ class BenchSettings(BaseModel):
     fetch_max_wait_ms: int | None = Field(None, ge=0, le=1000)
     """The workers' and the relay's `broker.fetch_max_wait_ms` (None: the default)."""
     baselines: bool = True
+    passes: int = Field(1, ge=1, le=4)
+    """Sweeps of every system. Each pass runs them in the opposite order to the pass
+    before, so that every pair is measured twice, once each way round, from runs near
+    each other in time (the report gives each pass's verdicts side by side). Only the
+    first pass is profiled."""
     systems: tuple[Literal["kafka", "relay", "headrace", "bare", "naive", "mlserver"], ...] = (
         "kafka", "relay", "headrace", "bare", "naive", "mlserver")  # fmt: skip
     """Systems the sweep runs, in this order (raw Kafka first: it also warms the broker);
@@ -173,6 +178,11 @@ class BenchSettings(BaseModel):
             return self.systems
         return tuple(s for s in self.systems if s in ("headrace", "bare")) or ("headrace",)
 
+    def pass_orders(self) -> list[tuple[str, ...]]:
+        """The order of the systems in each pass: as given, then reversed, and so on."""
+        systems = self.swept_systems()
+        return [systems if number % 2 == 0 else systems[::-1] for number in range(self.passes)]
+
     def offered_rates(self) -> list[float]:
         if self.rates:
             return sorted(self.rates)
@@ -208,6 +218,8 @@ class StepResult:
     over the step (`CpuMeter.machine_cores`)."""
     phase: str = "sweep"
     """sweep, refine (bisecting near the limit), or check (a fixed rate after the sweep)."""
+    pass_number: int = 1
+    """The pass of the run the step belongs to (`BenchSettings.passes`)."""
 
 
 @dataclass
@@ -242,6 +254,7 @@ class Bench:
         self.run_id = uuid.uuid4().hex[:6]
         self.state_dir = settings.state_dir.resolve()
         self._topics: list[str] = []
+        self.pass_number = 1
 
     def run(self) -> dict:
         settings = self.settings
@@ -281,25 +294,27 @@ class Bench:
                 results[settings.scenario], results["steps"] = run_scenario(self)
                 results["elapsed_s"] = time.time() - started
                 return results
-            systems = settings.swept_systems()
             if settings.baselines:
                 # The bare session: what ONNX Runtime itself costs, without our answers.
                 session = load_session(ModelConfig(path=self.model_path))
                 results["onnx"] = self._raw_onnx(session)
                 results["onnx_after_idle"] = self._raw_onnx_after_idle(session)
             self._warm_broker()
-            for system in systems:
-                if system == "kafka":
-                    results["steps"] += self._run_raw_kafka(settings.offered_rates())
-                elif system == "relay":
-                    results["steps"] += self._run_relay()
-                elif system == "naive":
-                    results["steps"] += self._run_naive()
-                elif system == "mlserver":
-                    results["steps"] += self._run_mlserver()
-                else:
-                    runtime = "faust" if system == "headrace" else "bare"
-                    results["steps"] += self._run_worker(system, runtime)
+            results["passes"] = []
+            first_run_id = self.run_id
+            for number, order in enumerate(settings.pass_orders(), 1):
+                # Each pass on topics and groups of its own (their names carry the run id).
+                self.run_id = first_run_id if number == 1 else f"{first_run_id}p{number}"
+                self.pass_number = number
+                self.systems = {}
+                if settings.passes > 1:
+                    self.echo(f"pass {number} of {settings.passes}: {', '.join(order)}")
+                steps = self._sweep_systems(order)
+                for step in steps:
+                    step.pass_number = number
+                results["steps"] += steps
+                results["passes"].append({"order": list(order), "systems": self.systems})
+            results["systems"] = results["passes"][0]["systems"]
             results["elapsed_s"] = time.time() - started
             return results
         finally:
@@ -311,6 +326,23 @@ class Bench:
                 self.zipkin.stop()
 
     # Systems --------------------------------------------------------------------
+
+    def _sweep_systems(self, order: tuple[str, ...]) -> list[StepResult]:
+        """One pass: each system swept in `order`, its summary in `self.systems`."""
+        steps: list[StepResult] = []
+        for system in order:
+            if system == "kafka":
+                steps += self._run_raw_kafka(self.settings.offered_rates())
+            elif system == "relay":
+                steps += self._run_relay()
+            elif system == "naive":
+                steps += self._run_naive()
+            elif system == "mlserver":
+                steps += self._run_mlserver()
+            else:
+                runtime = "faust" if system == "headrace" else "bare"
+                steps += self._run_worker(system, runtime)
+        return steps
 
     def sweep_workers(self, name: str, runtime: str, workers: int = 1) -> list[StepResult]:
         """The sweep of `workers` worker processes in one group sharing its topics; the
@@ -347,7 +379,8 @@ class Bench:
                 check = self._step(system, CPU_CHECK_PER_S)
                 check.phase = "check"
                 steps.append(check)
-            if self.settings.profile and system.profiled and flame.available():
+            profiled = self.settings.profile and system.profiled and self.pass_number == 1
+            if profiled and flame.available():
                 summary["flame"] = self._profile(system, summary["sustainable_per_s"])
             if system.restart is not None:
                 summary["restarts"] = system.restarts

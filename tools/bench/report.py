@@ -312,11 +312,17 @@ def write_reports(results: dict, out_dir: Path) -> dict[str, Path]:
     budget = results["settings"]["budget_ms"]
     systems = results.get("systems", {})
     flames = _write_flames(systems, out_dir)
+    passes = []
+    for number, run in enumerate(results.get("passes", []), 1):
+        ours = [s for s in steps if s.pass_number == number]
+        passes.append({**run, "verdicts": verdicts(ours, budget, run["systems"])})
     document = {
         "machine": machine(),
         "settings": results["settings"],
         "elapsed_s": results.get("elapsed_s"),
-        "verdicts": verdicts(steps, budget, systems),
+        # With several passes: the first pass's (each pass's are in `passes`).
+        "verdicts": passes[0]["verdicts"] if passes else verdicts(steps, budget, systems),
+        "passes": passes if len(passes) > 1 else None,
         "systems": systems,
         "steps": [asdict(s) for s in steps],
         "onnx": results.get("onnx", []),
@@ -371,7 +377,10 @@ def _markdown(doc: dict) -> str:
         return "\n".join(lines + scale.markdown(doc) + _steps_markdown(doc)) + "\n"
     if doc["swap"]:
         return "\n".join(lines + swap.markdown(doc["swap"]) + _steps_markdown(doc)) + "\n"
-    lines += ["## Verdicts", "", *_target_lines(v, doc["systems"]), *_steal_line(doc["steps"])]
+    if doc.get("passes"):
+        lines += _passes_markdown(doc["passes"], _steal_line(doc["steps"]))
+    else:
+        lines += ["## Verdicts", "", *_target_lines(v, doc["systems"]), *_steal_line(doc["steps"])]
     if v["throughput_ratio_vs_naive"]:
         lines.append(
             f"- headrace (Faust) over the naive per-event loop: "
@@ -418,6 +427,51 @@ def _markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The side-by-side table of a run of several passes: its rates and the ratio targets.
+PASS_RATIOS = (
+    ("faust_over_bare", "Faust / bare sustainable", FAUST_OVER_BARE_MIN),
+    ("faust_over_kafka", "Faust / raw Kafka sustainable", OVER_KAFKA_MIN),
+    ("bare_over_kafka", "bare / raw Kafka sustainable", OVER_KAFKA_MIN),
+    ("faust_over_mlserver", "Faust / MLServer sustainable", OVER_MLSERVER_MIN),
+    ("bare_over_mlserver", "bare / MLServer sustainable", OVER_MLSERVER_MIN),
+)
+
+
+def _passes_markdown(passes: list[dict], run_lines: list[str]) -> list[str]:
+    """A run of several passes: the rates and ratio targets of every pass side by side
+    (a target is met only where every pass meets it), `run_lines` about the whole run,
+    then each pass's verdicts."""
+    orders = "; ".join(f"pass {n}: {', '.join(run['order'])}"
+                       for n, run in enumerate(passes, 1))  # fmt: skip
+    lines = [
+        "## Passes side by side",
+        "",
+        "Every system is swept once per pass, each pass in the opposite order to the one "
+        f"before ({orders}).",
+        "",
+        "| figure | " + " | ".join(f"pass {n}" for n in range(1, len(passes) + 1))
+        + " | target | every pass |",
+        "|---|" + "---|" * len(passes) + "---|---|",
+    ]  # fmt: skip
+    for name in passes[0]["order"]:
+        cells = [f"{run['verdicts']['sustainable_per_s'].get(name, 0):,.0f}/s" for run in passes]
+        lines.append(f"| {name} sustainable | " + " | ".join(cells) + " | | |")
+    for key, label, bound in PASS_RATIOS:
+        figures = [run["verdicts"].get(key) for run in passes]
+        if all(figure is None for figure in figures):
+            continue
+        cells = ["-" if figure is None else f"{figure:.2f}" for figure in figures]
+        every = all(figure is not None and figure >= bound for figure in figures)
+        lines.append(f"| {label} | " + " | ".join(cells)
+                     + f" | >= {bound} | {'met' if every else 'NOT met'} |")  # fmt: skip
+    if run_lines:
+        lines += ["", *run_lines]
+    for n, run in enumerate(passes, 1):
+        lines += ["", f"## Verdicts, pass {n}", ""]
+        lines += _target_lines(run["verdicts"], run["systems"])
+    return lines
+
+
 def _steps_markdown(doc: dict) -> list[str]:
     """Every step of the run, one row each."""
     lines = [
@@ -447,7 +501,7 @@ def _steps_markdown(doc: dict) -> list[str]:
 
         threads = " / ".join(us(f"worker/{part}") for part in ("loop", "librdkafka", "threads"))
         lines.append(
-            f"| {s['system']} | {s.get('phase', 'sweep')} | {s['offered_per_s']:.0f} | "
+            f"| {s['system']} | {_phase_cell(s)} | {s['offered_per_s']:.0f} | "
             f"{s['achieved_per_s']:.0f} | {s['answered']} | {s['unanswered']} | "
             f"{lat['p50_ms']:.1f} | {lat['p90_ms']:.1f} | {lat['p99_ms']:.1f} | "
             f"{lat['p999_ms']:.1f} | {lat['max_ms']:.1f} | {s['statuses']} | "
@@ -455,6 +509,12 @@ def _steps_markdown(doc: dict) -> list[str]:
             f"{us('broker')} | {us('load generator')} | {_machine_cell(s)} |"
         )
     return lines
+
+
+def _phase_cell(step: dict) -> str:
+    phase = step.get("phase", "sweep")
+    number = step.get("pass_number", 1)
+    return phase if number == 1 else f"{phase}, pass {number}"
 
 
 def _machine_cell(step: dict) -> str:
@@ -570,15 +630,20 @@ def _plot(steps: list[StepResult], budget_ms: float, path: Path) -> None:
     )
     # Scenarios name their systems (e.g. swap-bare, swap-bare-shadow): default colours.
     others = dict.fromkeys(s.system for s in steps if s.system not in dict(systems))
+    passes = sorted({s.pass_number for s in steps})
     for system, colour in (*systems, *((name, None) for name in others)):
-        ours = [s for s in steps if s.system == system and s.latency.count]
-        if not ours:
-            continue
-        rates = [s.offered_per_s for s in ours]
-        axes.plot(rates, [s.latency.p50_ms for s in ours], "-o", color=colour,
-                  label=f"{system} p50")  # fmt: skip
-        axes.plot(rates, [s.latency.p99_ms for s in ours], "--s", color=colour,
-                  label=f"{system} p99")  # fmt: skip
+        for number in passes:
+            ours = [s for s in steps if s.system == system and s.pass_number == number
+                    and s.latency.count]  # fmt: skip
+            if not ours:
+                continue
+            rates = [s.offered_per_s for s in ours]
+            label = system if number == 1 else f"{system} (pass {number})"
+            shade = 1.0 if number == 1 else 0.45
+            axes.plot(rates, [s.latency.p50_ms for s in ours], "-o", color=colour, alpha=shade,
+                      label=f"{label} p50")  # fmt: skip
+            axes.plot(rates, [s.latency.p99_ms for s in ours], "--s", color=colour,
+                      alpha=shade, label=f"{label} p99")  # fmt: skip
     axes.axhline(budget_ms, color="black", linewidth=0.8, linestyle=":", label="p99 budget")
     axes.set_xscale("log")
     axes.set_yscale("log")

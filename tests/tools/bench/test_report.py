@@ -3,6 +3,7 @@ from made-up runs (no services)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 import numpy as np
@@ -128,6 +129,46 @@ def test_the_verdicts_read_headrace_against_the_plain_relay(tmp_path):
         "The plain relay at that rate: 400.00 µs per event, p50 +4.0 and p99 +4.0 ms over "
         "raw Kafka."
     )
+
+
+def test_each_pass_runs_the_systems_in_the_opposite_order_to_the_one_before():
+    settings = BenchSettings(systems=("kafka", "headrace", "bare"), passes=3)
+    assert settings.pass_orders() == [
+        ("kafka", "headrace", "bare"),
+        ("bare", "headrace", "kafka"),
+        ("kafka", "headrace", "bare"),
+    ]
+
+
+def test_a_run_of_two_passes_reads_each_ratio_within_its_pass(tmp_path):
+    # Pass 1 was a fast hour for both runtimes, pass 2 a slow one: across passes the
+    # ratio would read 800 / 1,000 = 0.8 (met), within each it is 0.6 and 0.8.
+    rates = {1: {"kafka": 4_000.0, "headrace": 600.0, "bare": 1_000.0},
+             2: {"kafka": 4_000.0, "headrace": 800.0, "bare": 1_000.0}}  # fmt: skip
+    steps, passes = [], []
+    for number, order in enumerate(BenchSettings(systems=("kafka", "headrace", "bare"),
+                                                 passes=2).pass_orders(), 1):  # fmt: skip
+        for system in order:
+            step = _step(system, rates[number][system], [5_000, 6_000], 100.0)
+            step.pass_number = number
+            steps.append(step)
+        systems = {name: {"sustainable_per_s": rate} for name, rate in rates[number].items()}
+        passes.append({"order": list(order), "systems": systems})
+    results = {"settings": BenchSettings(passes=2).model_dump(mode="json"), "steps": steps,
+               "systems": passes[0]["systems"], "passes": passes, "onnx": [],
+               "elapsed_s": 1.0}  # fmt: skip
+    paths = write_reports(results, tmp_path)
+    text = paths["markdown"].read_text()
+    assert "pass 1: kafka, headrace, bare; pass 2: bare, headrace, kafka" in text
+    assert "| headrace sustainable | 600/s | 800/s | | |" in text
+    assert "| Faust / bare sustainable | 0.60 | 0.80 | >= 0.7 | NOT met |" in text
+    assert "- Faust / bare sustainable: 0.60 (target >= 0.7): NOT met." in text
+    assert "- Faust / bare sustainable: 0.80 (target >= 0.7): met." in text
+    assert text.index("## Verdicts, pass 1") < text.index("## Verdicts, pass 2")
+    row = next(line for line in text.splitlines() if line.startswith("| headrace | sweep, pass 2"))
+    assert "| 800 |" in row
+    report = json.loads(paths["json"].read_text())
+    assert [run["verdicts"]["faust_over_bare"] for run in report["passes"]] == [0.6, 0.8]
 
 
 def test_a_skipped_mlserver_baseline_says_why(tmp_path):
