@@ -88,6 +88,13 @@ def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -
     return [offset for offset, _high in _committed(bootstrap, group, topic, partitions)]
 
 
+def records_written(bootstrap: str, topic: str, partitions: int) -> int:
+    """Offsets taken on `topic`'s partitions: its records, where nobody writes it in
+    transactions (whose markers take offsets too)."""
+    return sum(high for _offset, high in _committed(bootstrap, "headrace-tests-none", topic,
+                                                     partitions))  # fmt: skip
+
+
 def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[tuple[int, int]]:
     """(committed offset, high watermark) of each partition of `topic`."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})

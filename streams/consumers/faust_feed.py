@@ -8,8 +8,9 @@ these machines before any pipeline work (DESIGN.md), and the pipeline batches an
 
 `BulkConsumer` keeps Faust's consumer (group membership, assignment, aiokafka fetching,
 flow control on rebalance, committing what was acked) and replaces only that loop:
-each fetch (`getmany`) is split by topic, and the records of a pipeline's input topic
-go to its agent as one chunk through a small bounded queue (`FeedApp.take`). The
+each fetch is taken whole (Faust's `getmany` yields it a record at a time), split by
+topic, and the records of a pipeline's input topic go to its agent as one chunk
+through a small bounded queue (`FeedApp.take`). The
 agent acks each record through `Consumer.ack` after its outcome is written, which is
 what Faust commits from; a record is tracked as unacked from the moment the agent takes
 it, so Faust's wait for unacked records on rebalance and stop covers it. Topics without a
@@ -181,6 +182,9 @@ class _LoopConsumer(faust_aiokafka.AIOKafkaConsumerThread):
         # Read by aiokafka when the consumer starts (its fetcher's first settings).
         consumer._fetch_max_wait_ms, consumer._fetch_min_bytes = IDLE_FETCH
         consumer._fetch_max_bytes = self.app.fetch_max_bytes  # Faust has no setting for it
+        # As librdkafka reads by default (the bare runtime): records of an aborted or still
+        # open transaction upstream are not inputs yet. aiokafka's default reads them.
+        consumer._isolation_level = "read_committed"
         return consumer
 
     def fetched(self, count: int) -> None:
@@ -315,8 +319,6 @@ class BulkConsumer(faust_aiokafka.Consumer):
         feeds: dict[str, asyncio.Queue] = self.app.feeds
         consumer_stopped = self._stopped.is_set
         fetcher_stopped = fetcher._stopped.is_set
-        acks_enabled_for = self.app.topics.acks_enabled_for
-        read_offsets = self._read_offset
         try:
             while not (consumer_stopped() or fetcher_stopped()):
                 if self._to_pause:  # between fetches only: see `hold`
@@ -325,19 +327,13 @@ class BulkConsumer(faust_aiokafka.Consumer):
                 chunks: dict[str, list[Message]] = {}
                 others: list[Message] = []
                 fetched = 0
-                async for tp, message in self.getmany(timeout=1.0):
-                    fetched += 1
-                    offset, read = message.offset, read_offsets[tp]
-                    if read is not None and offset < read:
-                        continue  # read before a seek back: Faust's own loop drops these too
-                    if read and offset - read > 1 and acks_enabled_for(message.topic):
-                        # Offsets skipped (compaction, transaction markers): commit past them.
-                        await self._add_gap(tp, read + 1, offset)
-                    read_offsets[tp] = offset
-                    if message.topic in feeds:
-                        chunks.setdefault(message.topic, []).append(message)
+                for tp, messages in await self._next_fetch(wait_s=1.0):
+                    fetched += len(messages)
+                    kept = await self._in_order(tp, messages)
+                    if tp.topic in feeds:
+                        chunks.setdefault(tp.topic, []).extend(kept)
                     else:
-                        others.append(message)
+                        others.extend(kept)
                 self._thread.fetched(fetched)
                 for topic, messages in chunks.items():
                     await feeds[topic].put(messages)
@@ -353,6 +349,60 @@ class BulkConsumer(faust_aiokafka.Consumer):
             if self.transport.app.should_stop:
                 return
             raise
+
+    async def _next_fetch(self, wait_s: float) -> list[tuple[TP, list[Message]]]:
+        """One fetch's records as Faust's messages, by partition: what Faust's `getmany`
+        yields, with its checks (flow, generation, active partitions) and its high-water
+        tracking made once per fetch and partition instead of once per record. Its
+        generator also took each record round-robin across topics, a coroutine step
+        apiece, which a feed per topic has no use for. Without that per-record path the
+        worker's CPU per event fell from 105-119 to 92-105 µs at 5,000 events/s and from
+        370-429 to 327-363 µs at 1,000/s (alternating runs on one broker)."""
+        records, active = await self._wait_next_records(wait_s)
+        if records is None or self.should_stop:
+            return []
+        if not self.flow_active:  # as Faust's `getmany`: go back to the committed offsets
+            try:
+                await self.perform_seek()
+            except Exception as exc:
+                self.log.warning(f"exception performing seek when flow not active {exc}")
+            return []
+        to_message = self._to_message
+        track_end_offset = self.app.monitor.track_tp_end_offset
+        buffered = self._buffered_partitions
+        fetch = []
+        for tp, fetched in records.items():
+            if active is None or tp in active or tp in buffered:
+                track_end_offset(tp, self.highwater(tp))
+                fetch.append((tp, [to_message(tp, record) for record in fetched]))
+        return fetch
+
+    async def _in_order(self, tp: TP, messages: list[Message]) -> list[Message]:
+        """`messages` of one partition less those read before a seek back (Faust's own
+        loop drops them too), their read offsets noted, skipped offsets (compaction,
+        transaction markers) committed past. Cut short where the flow stopped or the
+        generation changed while a gap was added: Faust's `getmany` stops there too.
+
+        A gap is the offsets no record has, `read + 1` to `offset - 1`. Faust's own loop
+        passes the next record's offset as the gap's end, which `_add_gap` includes: that
+        record, acknowledged too, is then counted twice, and Faust's commits stopped for
+        good at the first transaction marker of each partition (committed 8, 6 and 4 of
+        30, 23 and 15 records in three transactions)."""
+        read_offsets = self._read_offset
+        gaps_matter = self.app.topics.acks_enabled_for(tp.topic)
+        generation = self.app.consumer_generation_id
+        kept = []
+        for message in messages:
+            offset, read = message.offset, read_offsets[tp]
+            if read is not None and offset < read:
+                continue
+            if read and offset - read > 1 and gaps_matter:
+                await self._add_gap(tp, read + 1, offset - 1)
+                if not self.flow_active or self.app.consumer_generation_id != generation:
+                    return kept
+            read_offsets[tp] = offset
+            kept.append(message)
+        return kept
 
     def track(self, messages: list[Message]) -> None:
         """Count `messages` as taken and unacked: Faust waits for their acks before a

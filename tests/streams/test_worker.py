@@ -13,7 +13,15 @@ from confluent_kafka import Producer
 from features.store import open_store
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder, AvroEncoder
-from tests.helpers import PATIENT_BUDGET_MS, committed_lag, produce_events, produce_raw, wait_until
+from tests.helpers import (
+    PATIENT_BUDGET_MS,
+    committed_lag,
+    committed_offsets,
+    produce_events,
+    produce_raw,
+    records_written,
+    wait_until,
+)
 from tools.collector import OutcomeCollector
 from tools.loadgen import malformed_records, sample_events
 
@@ -312,6 +320,54 @@ def test_a_clean_stop_in_the_middle_of_a_backlog_repeats_nothing(
         assert sorted(ids) == sorted(sent)
     finally:
         collector.stop()
+
+
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_inputs_written_in_transactions_are_answered_and_committed_past_their_markers(
+    deploy, kafka, sample_assets, runtime
+):
+    """Upstream exactly-once jobs write in transactions. A commit marker takes an offset
+    no record has: a worker that only commits offsets it answered would stop committing
+    at the first marker. An aborted transaction's records were never written, as far as
+    a read_committed reader knows: they get no answer."""
+    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
+    spec = deployment.spec
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")
+    events = list(itertools.islice(sample_events(sample_assets.world, 9, "in-tx"), 30))
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers,
+                         "transactional.id": f"test-inputs-{runtime}"})  # fmt: skip
+    producer.init_transactions(30)
+    for start in range(0, len(events), 10):
+        producer.begin_transaction()
+        for event in events[start : start + 10]:
+            producer.produce(spec.input_topic, encoder.encode(event), event["user_id"].encode())
+        producer.commit_transaction(30)
+    aborted = list(itertools.islice(sample_events(sample_assets.world, 11, "aborted"), 10))
+    producer.begin_transaction()
+    for event in aborted:
+        producer.produce(spec.input_topic, encoder.encode(event), event["user_id"].encode())
+    assert producer.flush(30) == 0  # written, then aborted (abort drops unsent records)
+    producer.abort_transaction(30)
+    # One plain record after them on every partition: each marker lies between records.
+    last = produce_events(kafka.bootstrap_servers, spec.input_topic, sample_assets.world,
+                          30, seed=10, prefix="after-tx")  # fmt: skip
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker():
+            answers = collector.wait_for(len(events) + len(last), 120).predictions
+            assert wait_until(
+                lambda: committed_lag(kafka.bootstrap_servers, deployment.config.app_id,
+                                      spec.input_topic, 3) == 0,
+                timeout_s=30,
+            ), committed_offsets(kafka.bootstrap_servers, deployment.config.app_id,
+                                 spec.input_topic, 3)  # fmt: skip
+            # Every input read was answered before its offset was committed: these are all.
+            written = records_written(kafka.bootstrap_servers, spec.output_topic, 3)
+    finally:
+        collector.stop()
+    expected = [e["event_id"] for e in events] + list(last)
+    assert sorted(a["event_id"] for a in answers) == sorted(expected)
+    assert written == len(expected)
 
 
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
