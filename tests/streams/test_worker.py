@@ -371,6 +371,36 @@ def test_inputs_written_in_transactions_are_answered_and_committed_past_their_ma
 
 
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
+def test_inputs_compressed_with_each_codec_kafka_has_are_answered(
+    deploy, kafka, sample_assets, runtime
+):
+    """Java producers often compress (lz4, zstd, snappy); the broker keeps their batches
+    as written, so the worker's consumer must read every codec."""
+    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
+    spec = deployment.spec
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")
+    sent = []
+    for codec in ("gzip", "snappy", "lz4", "zstd"):
+        producer = Producer({"bootstrap.servers": kafka.bootstrap_servers,
+                             "compression.type": codec, "linger.ms": 5})  # fmt: skip
+        for event in itertools.islice(sample_events(sample_assets.world, 13, codec), 10):
+            producer.produce(spec.input_topic, encoder.encode(event), event["user_id"].encode())
+            sent.append(event["event_id"])
+        assert producer.flush(30) == 0
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker() as worker:
+            outcomes = collector.wait_for(len(sent), 120)
+            assert worker.poll() is None, deployment.log_tail()
+    finally:
+        collector.stop()
+    assert outcomes.dead_letters == []
+    assert sorted(p["event_id"] for p in outcomes.predictions) == sorted(sent), (
+        deployment.log_tail()
+    )
+
+
+@pytest.mark.parametrize("runtime", ["faust", "bare"])
 def test_events_without_a_key_are_answered_without_one(deploy, kafka, sample_assets, runtime):
     """Many producers send no key (Kafka then spreads records over the partitions)."""
     deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
