@@ -323,81 +323,59 @@ def test_a_clean_stop_in_the_middle_of_a_backlog_repeats_nothing(
 
 
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
-def test_inputs_written_in_transactions_are_answered_and_committed_past_their_markers(
+def test_inputs_compressed_and_written_in_transactions_are_answered_once(
     deploy, kafka, sample_assets, runtime
 ):
-    """Upstream exactly-once jobs write in transactions. A commit marker takes an offset
-    no record has: a worker that only commits offsets it answered would stop committing
-    at the first marker. An aborted transaction's records were never written, as far as
-    a read_committed reader knows: they get no answer."""
+    """Input as other clients write it. Java producers often compress (the broker keeps
+    their batches as written, so the worker must read every codec), and upstream
+    exactly-once jobs write in transactions: a commit marker takes an offset no record
+    has (a worker that only commits offsets it answered stops committing at the first
+    one), and an aborted transaction's records were never written, as far as a
+    read_committed reader knows: they get no answer."""
     deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
     spec = deployment.spec
+    bootstrap = kafka.bootstrap_servers
     encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")
-    events = list(itertools.islice(sample_events(sample_assets.world, 9, "in-tx"), 30))
-    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers,
-                         "transactional.id": f"test-inputs-{runtime}"})  # fmt: skip
-    producer.init_transactions(30)
-    for start in range(0, len(events), 10):
-        producer.begin_transaction()
-        for event in events[start : start + 10]:
-            producer.produce(spec.input_topic, encoder.encode(event), event["user_id"].encode())
-        producer.commit_transaction(30)
-    aborted = list(itertools.islice(sample_events(sample_assets.world, 11, "aborted"), 10))
-    producer.begin_transaction()
-    for event in aborted:
-        producer.produce(spec.input_topic, encoder.encode(event), event["user_id"].encode())
-    assert producer.flush(30) == 0  # written, then aborted (abort drops unsent records)
-    producer.abort_transaction(30)
-    # One plain record after them on every partition: each marker lies between records.
-    last = produce_events(kafka.bootstrap_servers, spec.input_topic, sample_assets.world,
-                          30, seed=10, prefix="after-tx")  # fmt: skip
-    collector = collector_for(deployment)
-    try:
-        with deployment.worker():
-            answers = collector.wait_for(len(events) + len(last), 120).predictions
-            assert wait_until(
-                lambda: committed_lag(kafka.bootstrap_servers, deployment.config.app_id,
-                                      spec.input_topic, 3) == 0,
-                timeout_s=30,
-            ), committed_offsets(kafka.bootstrap_servers, deployment.config.app_id,
-                                 spec.input_topic, 3)  # fmt: skip
-            # Every input read was answered before its offset was committed: these are all.
-            written = records_written(kafka.bootstrap_servers, spec.output_topic, 3)
-    finally:
-        collector.stop()
-    expected = [e["event_id"] for e in events] + list(last)
-    assert sorted(a["event_id"] for a in answers) == sorted(expected)
-    assert written == len(expected)
 
-
-@pytest.mark.parametrize("runtime", ["faust", "bare"])
-def test_inputs_compressed_with_each_codec_kafka_has_are_answered(
-    deploy, kafka, sample_assets, runtime
-):
-    """Java producers often compress (lz4, zstd, snappy); the broker keeps their batches
-    as written, so the worker's consumer must read every codec."""
-    deployment = deploy(runtime=runtime, latency_budget_ms=PATIENT_BUDGET_MS)
-    spec = deployment.spec
-    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.input_topic}-value")
-    sent = []
-    for codec in ("gzip", "snappy", "lz4", "zstd"):
-        producer = Producer({"bootstrap.servers": kafka.bootstrap_servers,
-                             "compression.type": codec, "linger.ms": 5})  # fmt: skip
-        for event in itertools.islice(sample_events(sample_assets.world, 13, codec), 10):
+    def write(producer: Producer, events: list[dict]) -> None:
+        for event in events:
             producer.produce(spec.input_topic, encoder.encode(event), event["user_id"].encode())
-            sent.append(event["event_id"])
         assert producer.flush(30) == 0
+
+    committed = []
+    for codec in ("gzip", "snappy", "lz4", "zstd"):
+        producer = Producer({"bootstrap.servers": bootstrap, "compression.type": codec,
+                             "transactional.id": f"test-{codec}-{runtime}"})  # fmt: skip
+        producer.init_transactions(30)
+        for outcome in ("commit", "abort"):
+            events = list(itertools.islice(sample_events(sample_assets.world, 13,
+                                                         f"{codec}-{outcome}"), 8))  # fmt: skip
+            producer.begin_transaction()
+            write(producer, events)  # written before the abort (which drops unsent ones)
+            if outcome == "commit":
+                producer.commit_transaction(30)
+                committed += [event["event_id"] for event in events]
+            else:
+                producer.abort_transaction(30)
+    # Plain records after them on every partition: each marker lies between records.
+    plain = produce_events(bootstrap, spec.input_topic, sample_assets.world, 30, seed=10,
+                           prefix="plain")  # fmt: skip
+    expected = committed + list(plain)
     collector = collector_for(deployment)
     try:
         with deployment.worker() as worker:
-            outcomes = collector.wait_for(len(sent), 120)
+            answers = collector.wait_for(len(expected), 120).predictions
+            group = deployment.config.app_id
+            assert wait_until(
+                lambda: committed_lag(bootstrap, group, spec.input_topic, 3) == 0, timeout_s=30
+            ), committed_offsets(bootstrap, group, spec.input_topic, 3)
+            # Every input read was answered before its offset was committed: these are all.
+            written = records_written(bootstrap, spec.output_topic, 3)
             assert worker.poll() is None, deployment.log_tail()
     finally:
         collector.stop()
-    assert outcomes.dead_letters == []
-    assert sorted(p["event_id"] for p in outcomes.predictions) == sorted(sent), (
-        deployment.log_tail()
-    )
+    assert sorted(a["event_id"] for a in answers) == sorted(expected), deployment.log_tail()
+    assert written == len(expected)
 
 
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
