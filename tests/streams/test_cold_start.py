@@ -53,11 +53,30 @@ def paced_load(bootstrap: str, topic: str, world, per_s: int) -> Iterator[None]:
         producer.flush(30)
 
 
+# A try whose first answers fall short runs once more, on a fresh worker and topics. A
+# cold path sheds in every try (103 of the first 213 in one run); a stall of the shared
+# 2-core machine in a 3-second window does not come twice (in two of about twenty full
+# suites a warm worker answered 420 and 290 of 450 in full, and all 450 alone).
+TRIES = 2
+
+
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
 def test_the_first_seconds_after_joining_are_answered_in_full(
     deploy, kafka, sample_assets, runtime
 ):
-    deployment = deploy(runtime=runtime)  # the default budget: 100 ms
+    tries = []
+    for _ in range(TRIES):
+        statuses = _first_answers(deploy(runtime=runtime), kafka, sample_assets)  # budget 100 ms
+        print(f"{runtime}: the first {FIRST} answers after joining: {dict(statuses)}")
+        tries.append(statuses)
+        if statuses[("OK", None)] >= 0.9 * FIRST:
+            return
+    pytest.fail(f"each try shed or degraded over a tenth of the first {FIRST}: {tries}")
+
+
+def _first_answers(deployment, kafka, sample_assets) -> Counter:
+    """The statuses (and reasons) of a fresh worker's first answers under paced load
+    that starts once it holds its partitions."""
     collector = collector_for(deployment)
     group, topic = deployment.config.app_id, deployment.spec.input_topic
     try:
@@ -70,9 +89,4 @@ def test_the_first_seconds_after_joining_are_answered_in_full(
     finally:
         collector.stop()
     first = collector.snapshot().predictions[:FIRST]
-    statuses = Counter((answer["status"], answer["reason"]) for answer in first)
-    print(f"{runtime}: the first {FIRST} answers after joining: {dict(statuses)}")
-    # A cold path shed half of them (103 of the first 213); a warm worker on a 2-core
-    # machine busy with the test's broker and load misses the budget now and then (420
-    # of 450 OK in one run of the whole suite, 450 of 450 alone).
-    assert statuses[("OK", None)] >= 0.9 * FIRST, statuses
+    return Counter((answer["status"], answer["reason"]) for answer in first)
