@@ -28,14 +28,21 @@ from typing import Any
 import numpy as np
 from feast.infra.key_encoding_utils import serialize_entity_key, serialize_entity_key_prefix
 from feast.infra.online_stores.helpers import compute_table_id
+from feast.infra.online_stores.redis import RedisOnlineStore
 from feast.infra.online_stores.sqlite import SqliteOnlineStore
 from feast.protos.feast.types.EntityKey_pb2 import EntityKey as EntityKeyProto
 from feast.protos.feast.types.Value_pb2 import Value as ValueProto
 from feast.protos.feast.types.Value_pb2 import ValueType as StoredType
 from feast.type_map import python_values_to_proto_values
 from feast.value_type import ValueType
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from features.errors import FeatureStoreError
+
+# A Redis call's socket bound where the connection string sets none (redis-py waits for
+# ever): a store that hangs would hold the read thread, and every read queued behind it.
+REDIS_SOCKET_TIMEOUT_S = 1.0
 
 # Serialized entity keys kept per reader (see `OnlineViewReader._stored_keys`): about
 # 10 MB at most.
@@ -88,6 +95,7 @@ class OnlineViewReader:
             self.join_keys.append(entity.join_key)
             self._value_types.append(entity.value_type)
         self._provider = store._get_provider()
+        _redis_fails_fast(self._provider, store.config.online_store)
         self._sqlite = _SqliteTable(store, self.view, self.features) if _is_sqlite(store) else None
         self._key_version = store.config.entity_key_serialization_version
         self._key_blobs: dict[tuple, bytes] = {}
@@ -389,3 +397,30 @@ def _stored_epoch_s(event_ts: Any) -> float:
         return float(event_ts)
     stamp = datetime.fromisoformat(event_ts.decode() if isinstance(event_ts, bytes) else event_ts)
     return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()
+
+
+def _redis_fails_fast(provider: Any, config: Any) -> None:
+    """Feast's Redis client, told to fail at once when Redis is down. redis-py retries a
+    failed call three times with backoff from 1 s: a read of a stopped Redis took 10 s,
+    holding the read thread while the next reads queued behind it, and batches waiting
+    on it were shed past their deadline instead of answered without the store. Here
+    the store breaker (`features/breaker.py`) is the retry policy: one immediate retry
+    (a pooled connection Redis closed while it restarted), no backoff."""
+    online_store = getattr(provider, "online_store", None)
+    if not isinstance(online_store, RedisOnlineStore):
+        return
+    client = online_store._get_client(config)  # made once, kept by the store
+    client.set_retry(Retry(NoBackoff(), 1))
+    for pool in _connection_pools(client):
+        for setting in ("socket_timeout", "socket_connect_timeout"):
+            if pool.connection_kwargs.get(setting) is None:
+                pool.connection_kwargs[setting] = REDIS_SOCKET_TIMEOUT_S
+
+
+def _connection_pools(client: Any) -> list[Any]:
+    """The connection pools of a Redis client, or of each node of a Redis Cluster."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return [pool]
+    nodes = client.get_nodes()
+    return [node.redis_connection.connection_pool for node in nodes if node.redis_connection]

@@ -90,7 +90,10 @@ def check_outage_degrades(
                     assert breaker_state() in (1, 2)  # open, or probing the store
             degraded = [a for a in answers if a["status"] == "DEGRADED"]
             # Events whose features were cached before the outage may still be answered OK.
-            assert {a["status"] for a in answers} <= {"OK", "DEGRADED"}
+            assert {a["status"] for a in answers} <= {"OK", "DEGRADED"}, (
+                Counter((a["status"], a["reason"]) for a in answers),
+                deployment.log_tail(),
+            )
             assert len(degraded) >= 0.8 * len(answers), [a["status"] for a in answers]
             assert {(a["degraded_by"], a["reason"]) for a in degraded} == {
                 ("fallback_model", "store_unavailable")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -13,9 +14,12 @@ from feast.type_map import python_values_to_proto_values
 from feast.value_type import ValueType
 
 from features.config import FeatureCacheConfig
+from features.errors import FeatureStoreError
 from features.lookup import FeatureLookup
 from features.online_read import OnlineViewReader, _direct_key_codec
-from features.store import open_store
+from features.store import open_store, prepare_sample_store
+from infra.ports import free_port
+from infra.redis import RedisServer
 
 ENTITY_FIELDS = {"user_id": "user_id", "merchant_id": "merchant_id"}
 USER_FEATURES = ["txn_count_7d", "avg_amount_7d", "chargeback_rate_90d", "account_age_days"]
@@ -166,3 +170,28 @@ def test_a_key_of_another_python_type_is_serialized_by_feast(sample_assets):
     (direct,) = reader._serialized([("u0000001",)]).values()
     (by_feast,) = reader._serialized([(np.str_("u0000001"),)]).values()
     assert by_feast == direct
+
+
+def test_a_stopped_redis_fails_a_read_at_once_and_a_restarted_one_answers_the_next(
+    sample_assets, tmp_path
+):
+    """redis-py's own retries (three, backing off from 1 s) held a read of a stopped
+    Redis for about 10 s; the store breaker is the retry policy, so a read fails at once.
+    A restarted Redis (empty here) answers the next read on a fresh connection."""
+    server = RedisServer(tmp_path / "redis", free_port())
+    server.start()
+    try:
+        repo = tmp_path / "repo"
+        prepare_sample_store(repo, sample_assets.world, redis=server.connection_string)
+        reader = OnlineViewReader(open_store(repo), "user_stats", USER_FEATURES)
+        user = "u0000001"
+        assert not np.isnan(reader.read([(user,)]).values).any()
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(FeatureStoreError, match="user_stats"):
+            reader.read([(user,)])
+        assert time.monotonic() - started < 3.0
+        server.start()
+        assert np.isnan(reader.read([(user,)]).values).all()  # empty: no persistence
+    finally:
+        server.stop()
