@@ -58,6 +58,11 @@ def paced_load(bootstrap: str, topic: str, world, per_s: int) -> Iterator[None]:
 # 2-core machine in a 3-second window does not come twice (in two of about twenty full
 # suites a warm worker answered 420 and 290 of 450 in full, and all 450 alone).
 TRIES = 2
+# Where the machine is shared, the worker's own steady state may shed: with a busy loop
+# on one of the two cores, its answers at 150/s were 7-24% shed per second (p90 latency
+# 31-85 ms of the 100 ms budget), from the first second to the twelfth. The first
+# seconds must then do as well as the seconds after them, within a tenth.
+SLACK = 0.1
 
 
 @pytest.mark.parametrize("runtime", ["faust", "bare"])
@@ -66,17 +71,22 @@ def test_the_first_seconds_after_joining_are_answered_in_full(
 ):
     tries = []
     for _ in range(TRIES):
-        statuses = _first_answers(deploy(runtime=runtime), kafka, sample_assets)  # budget 100 ms
-        print(f"{runtime}: the first {FIRST} answers after joining: {dict(statuses)}")
-        tries.append(statuses)
-        if statuses[("OK", None)] >= 0.9 * FIRST:
+        first, later = _first_answers(deploy(runtime=runtime), kafka, sample_assets)  # 100 ms
+        print(f"{runtime}: the first {FIRST} answers after joining: {dict(first)}; "
+              f"the next {FIRST}: {dict(later)}")  # fmt: skip
+        tries.append((first, later))
+        in_full, later_in_full = first[("OK", None)], later[("OK", None)]
+        if in_full >= (1 - SLACK) * FIRST or in_full >= later_in_full - SLACK * FIRST:
             return
-    pytest.fail(f"each try shed or degraded over a tenth of the first {FIRST}: {tries}")
+    pytest.fail(
+        f"each try shed or degraded over a tenth of the first {FIRST}, and a tenth more "
+        f"than of the next {FIRST}: {tries}"
+    )
 
 
-def _first_answers(deployment, kafka, sample_assets) -> Counter:
+def _first_answers(deployment, kafka, sample_assets) -> tuple[Counter, Counter]:
     """The statuses (and reasons) of a fresh worker's first answers under paced load
-    that starts once it holds its partitions."""
+    that starts once it holds its partitions, and of as many answers after them."""
     collector = collector_for(deployment)
     group, topic = deployment.config.app_id, deployment.spec.input_topic
     try:
@@ -85,8 +95,11 @@ def _first_answers(deployment, kafka, sample_assets) -> Counter:
                 deployment.log_tail()
             )
             with paced_load(kafka.bootstrap_servers, topic, sample_assets.world, RATE_PER_S):
-                assert wait_until(lambda: answered(collector) >= FIRST, 60), deployment.log_tail()
+                assert wait_until(lambda: answered(collector) >= 2 * FIRST, 60), (
+                    deployment.log_tail()
+                )
     finally:
         collector.stop()
-    first = collector.snapshot().predictions[:FIRST]
-    return Counter((answer["status"], answer["reason"]) for answer in first)
+    answers = collector.snapshot().predictions
+    first, later = answers[:FIRST], answers[FIRST : 2 * FIRST]
+    return tuple(Counter((a["status"], a["reason"]) for a in part) for part in (first, later))
