@@ -16,6 +16,12 @@ what Faust commits from; a record is tracked as unacked from the moment the agen
 it, so Faust's wait for unacked records on rebalance and stop covers it. Topics without a
 feed (none in a headrace worker) still go through Faust's own path.
 
+A chunk belongs to the assignment it was fetched in. Each assignment gives every
+partition a fresh position, which Faust seeks to the committed offsets: a chunk still
+queued then (or on its way to the queue, its fetch loop waiting for room) is dropped
+when taken, and its records are fetched again. Answered after the seek instead, its
+records were answered twice: once from the chunk, once as fetched again (`Chunk`).
+
 Backpressure: an agent at its in-flight bound stops taking chunks, its queue fills,
 the fetch loop waits on it, and aiokafka stops fetching once its own buffer is full.
 A runner can pause one partition whose records wait for the schema registry
@@ -56,6 +62,14 @@ BUSY_RECORDS_PER_WAIT = 2.0
 IDLE_RECORDS_PER_WAIT = 1.25
 # How long the rate is counted before the fetch mode is chosen again.
 PACE_WINDOW_S = 0.1
+
+
+class Chunk(list):
+    """One fetch's records of one topic, with the consumer's seek count when fetched."""
+
+    def __init__(self, messages: list[Message], seeks: int) -> None:
+        super().__init__(messages)
+        self.seeks = seeks
 
 
 class _TerminalWithoutTables:
@@ -235,6 +249,9 @@ class BulkConsumer(faust_aiokafka.Consumer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._acked_since_commit = asyncio.Event()
+        self.seeks = 0
+        """Seeks of the whole assignment so far (after each assignment, which gives every
+        partition a fresh position): a chunk fetched before the last one is stale."""
 
     def acked(self) -> None:
         """Records were acknowledged (`Consumer.ack`): a commit is due within the interval."""
@@ -247,6 +264,7 @@ class BulkConsumer(faust_aiokafka.Consumer):
         resumes: partitions an open transaction holds (exactly-once) are paused here and
         fetched once it ends, from the offset it leaves."""
         self._stop_stabilizing()
+        self.seeks += 1
         offsets = await super().seek_to_committed()
         held = self._thread.held
         if held:
@@ -327,16 +345,18 @@ class BulkConsumer(faust_aiokafka.Consumer):
                 chunks: dict[str, list[Message]] = {}
                 others: list[Message] = []
                 fetched = 0
-                for tp, messages in await self._next_fetch(wait_s=1.0):
+                fetch = await self._next_fetch(wait_s=1.0)
+                seeks = self.seeks  # the positions these records were fetched from
+                for tp, messages in fetch:
                     fetched += len(messages)
-                    kept = await self._in_order(tp, messages)
+                    kept = await self._in_order(tp, messages, seeks)
                     if tp.topic in feeds:
                         chunks.setdefault(tp.topic, []).extend(kept)
                     else:
                         others.extend(kept)
                 self._thread.fetched(fetched)
                 for topic, messages in chunks.items():
-                    await feeds[topic].put(messages)
+                    await feeds[topic].put(Chunk(messages, seeks))
                 for message in others:
                     await self.callback(message)
                 await self._commit_if_due()
@@ -377,11 +397,12 @@ class BulkConsumer(faust_aiokafka.Consumer):
                 fetch.append((tp, [to_message(tp, record) for record in fetched]))
         return fetch
 
-    async def _in_order(self, tp: TP, messages: list[Message]) -> list[Message]:
+    async def _in_order(self, tp: TP, messages: list[Message], seeks: int) -> list[Message]:
         """`messages` of one partition less those read before a seek back (Faust's own
         loop drops them too), their read offsets noted, skipped offsets (compaction,
         transaction markers) committed past. Cut short where the flow stopped or the
-        generation changed while a gap was added: Faust's `getmany` stops there too.
+        generation changed or a seek was made while a gap was added: Faust's `getmany`
+        stops there too, and the read offsets are the seek's.
 
         A gap is the offsets no record has, `read + 1` to `offset - 1`. Faust's own loop
         passes the next record's offset as the gap's end, which `_add_gap` includes: that
@@ -398,7 +419,11 @@ class BulkConsumer(faust_aiokafka.Consumer):
                 continue
             if read and offset - read > 1 and gaps_matter:
                 await self._add_gap(tp, read + 1, offset - 1)
-                if not self.flow_active or self.app.consumer_generation_id != generation:
+                if (
+                    not self.flow_active
+                    or self.app.consumer_generation_id != generation
+                    or self.seeks != seeks
+                ):
                     return kept
             read_offsets[tp] = offset
             kept.append(message)
@@ -464,7 +489,7 @@ class FeedApp(faust.App):
         self, *args: Any, fetch: tuple[int, int], fetch_max_bytes: int, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.feeds: dict[str, asyncio.Queue] = {}
+        self.feeds: dict[str, asyncio.Queue[Chunk]] = {}
         self.holders: list[Callable[[], Awaitable[list[Message]]]] = []
         """Each runner's `give_up_held`, called before Faust waits for acks."""
         self.fetch = fetch
@@ -490,13 +515,18 @@ class FeedApp(faust.App):
             # topic when first iterated; a fed agent never iterates its stream).
             self.topics.add(topic)
 
-    async def take(self, topic: str) -> list[Message]:
-        """The next chunk of `topic`'s records, tracked as unacked from here on. Chunks
-        still queued at a stop were never taken: nothing commits them, and the next
-        owner of their partitions reads them again."""
-        messages = await self.feeds[topic].get()
-        self.consumer.track(messages)
-        return messages
+    async def take(self, topic: str) -> Chunk:
+        """The next chunk of `topic`'s records, tracked as unacked from here on; chunks
+        fetched before the last seek are dropped (`Chunk`). Chunks still queued at a
+        stop were never taken: nothing commits them, and the next owner of their
+        partitions reads them again."""
+        feed, consumer = self.feeds[topic], self.consumer
+        while True:
+            messages = await feed.get()
+            if messages.seeks == consumer.seeks:
+                consumer.track(messages)
+                return messages
+            # Fetched before a seek moved its partitions: fetched again from there.
 
     async def settle(self, timeout_s: float) -> None:
         """Until every chunk already fetched was taken by its agent and acknowledged
@@ -513,8 +543,9 @@ class FeedApp(faust.App):
 
     def unfinished(self) -> list[Message]:
         """Records fetched and not yet acknowledged: queued for an agent, or taken."""
+        seeks = self.consumer.seeks
         queued = [message for feed in self.feeds.values() for chunk in feed._queue
-                  for message in chunk]  # fmt: skip
+                  if chunk.seeks == seeks for message in chunk]  # fmt: skip
         return queued + list(self.consumer._unacked_messages)
 
     def _new_transport(self) -> BulkTransport:

@@ -193,7 +193,11 @@ def read_outcomes(
                         pending.discard(where)
                     continue
                 if message.topic() == spec.output_topic:
-                    outcomes.predictions.append(decoder.decode(message.value()))
+                    answer = decoder.decode(message.value())
+                    # Where and when it was written: what tells repeats apart.
+                    answer["written_at"] = (message.partition(), message.offset(),
+                                            message.timestamp()[1])  # fmt: skip
+                    outcomes.predictions.append(answer)
                 else:
                     headers = {k: v.decode() for k, v in message.headers() or []}
                     outcomes.dead_letters.append(

@@ -48,12 +48,20 @@ def each_answered_once(bootstrap: str, deployment, what: str) -> None:
     """A read_committed reader of the outputs sees each input answered exactly once."""
     topic = deployment.spec.input_topic
     inputs = input_offsets(bootstrap, topic)
-    counts = outcomes_per_input(read_outcomes(deployment, "read_committed"), topic)
+    outcomes = read_outcomes(deployment, "read_committed")
+    counts = outcomes_per_input(outcomes, topic)
     missing = inputs - set(counts)
     repeated = {where: n for where, n in counts.items() if n > 1}
     print(f"{what}: {len(inputs)} inputs, {len(missing)} missing, {len(repeated)} repeated")
     assert not missing, f"{len(missing)} inputs without an answer"
-    assert not repeated, f"{len(repeated)} inputs answered more than once"
+    # Each repeat's answers with where and when they were written (partition, offset,
+    # Kafka timestamp): one transaction's, or two workers' apart.
+    written = sorted(
+        ((answer["input_partition"], answer["input_offset"]), answer["written_at"])
+        for answer in outcomes.predictions
+        if (answer["input_partition"], answer["input_offset"]) in repeated
+    )
+    assert not repeated, f"{len(repeated)} inputs answered more than once: {written}"
 
 
 def ended_as_it_must(deployment, code: int) -> None:
