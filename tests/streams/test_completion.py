@@ -132,3 +132,18 @@ def test_publishes_that_overlap_are_not_counted_as_a_line():
     model.publishes.observe(4, 0.050, now_s=0.0)  # while one commits
     model.reserve(0, 4, now_s=0.1)
     assert model.estimates(now_s=0.1, batch_size=4).full_s(4) == 0.0
+
+
+def test_publishes_ahead_count_at_their_mean_and_a_batchs_own_at_its_high_quantile():
+    # Publishes of 10 ms with one stall of 100 ms among them: five batches ahead wait
+    # about five means, not five stalls; the batch's own publish, inside `rest`, still
+    # counts at its high quantile (the stall, one in ten).
+    model = CompletionModel(sessions=1)
+    for seconds in [0.010] * 9 + [0.100]:
+        model.publishes.observe(4, seconds, now_s=0.0)
+        model.rest.observe(4, seconds, now_s=0.0)
+    for _ in range(5):
+        model.reserve(0, 4, now_s=0.1)
+    mean_s = (9 * 0.010 + 0.100) / 10
+    estimate_s = model.estimates(now_s=0.1, batch_size=4).full_s(4)
+    assert estimate_s == pytest.approx(5 * mean_s + 0.100)  # 195 ms, not 600 ms
