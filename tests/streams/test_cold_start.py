@@ -71,9 +71,12 @@ def test_the_first_seconds_after_joining_are_answered_in_full(
 ):
     tries = []
     for _ in range(TRIES):
-        first, later = _first_answers(deploy(runtime=runtime), kafka, sample_assets)  # 100 ms
+        answers = _first_answers(deploy(runtime=runtime), kafka, sample_assets)  # 100 ms
+        first, later = (_statuses(part) for part in (answers[:FIRST], answers[FIRST:]))
         print(f"{runtime}: the first {FIRST} answers after joining: {dict(first)}; "
               f"the next {FIRST}: {dict(later)}")  # fmt: skip
+        # Where a try falls short, when its answers fell short and where their time went.
+        print("\n".join(_timeline(answers[:FIRST])))
         tries.append((first, later))
         in_full, later_in_full = first[("OK", None)], later[("OK", None)]
         if in_full >= (1 - SLACK) * FIRST or in_full >= later_in_full - SLACK * FIRST:
@@ -84,9 +87,9 @@ def test_the_first_seconds_after_joining_are_answered_in_full(
     )
 
 
-def _first_answers(deployment, kafka, sample_assets) -> tuple[Counter, Counter]:
-    """The statuses (and reasons) of a fresh worker's first answers under paced load
-    that starts once it holds its partitions, and of as many answers after them."""
+def _first_answers(deployment, kafka, sample_assets) -> list[dict]:
+    """A fresh worker's first `2 * FIRST` answers under paced load that starts once it
+    holds its partitions."""
     collector = collector_for(deployment)
     group, topic = deployment.config.app_id, deployment.spec.input_topic
     try:
@@ -100,6 +103,27 @@ def _first_answers(deployment, kafka, sample_assets) -> tuple[Counter, Counter]:
                 )
     finally:
         collector.stop()
-    answers = collector.snapshot().predictions
-    first, later = answers[:FIRST], answers[FIRST : 2 * FIRST]
-    return tuple(Counter((a["status"], a["reason"]) for a in part) for part in (first, later))
+    return collector.snapshot().predictions[: 2 * FIRST]
+
+
+def _statuses(answers: list[dict]) -> Counter:
+    return Counter((a["status"], a["reason"]) for a in answers)
+
+
+def _timeline(answers: list[dict], step_ms: int = 500) -> list[str]:
+    """Per `step_ms` of event time: answers in full, the events' age when their answers
+    were handed to Kafka (median and most), and the sizes of their batches."""
+    start_ms = min(a["event_timestamp_ms"] for a in answers)
+    steps: dict[int, list[dict]] = {}
+    for answer in answers:
+        steps.setdefault((answer["event_timestamp_ms"] - start_ms) // step_ms, []).append(answer)
+    lines = []
+    for step, part in sorted(steps.items()):
+        ages = sorted(a["produced_ms"] - a["event_timestamp_ms"] for a in part)
+        sizes = sorted(a["timings"]["batch_size"] for a in part)
+        lines.append(
+            f"{step * step_ms:>5} ms: {_statuses(part)[('OK', None)]:>3}/{len(part)} in full, "
+            f"age at hand-over p50 {ages[len(ages) // 2]} max {ages[-1]} ms, "
+            f"batches of {sizes[0]}-{sizes[-1]}"
+        )
+    return lines
