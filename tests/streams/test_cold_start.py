@@ -75,7 +75,8 @@ def test_the_first_seconds_after_joining_are_answered_in_full(
         first, later = (_statuses(part) for part in (answers[:FIRST], answers[FIRST:]))
         print(f"{runtime}: the first {FIRST} answers after joining: {dict(first)}; "
               f"the next {FIRST}: {dict(later)}")  # fmt: skip
-        # Where a try falls short, when its answers fell short and where their time went.
+        # For a try that falls short: when in its first seconds, and whether the time
+        # went before the worker read the events or inside it.
         print("\n".join(_timeline(answers[:FIRST])))
         tries.append((first, later))
         in_full, later_in_full = first[("OK", None)], later[("OK", None)]
