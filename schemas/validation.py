@@ -83,10 +83,16 @@ class EventRules:
             )
 
     def check(self, event: Mapping[str, Any]) -> None:
-        """Raise InvalidEventError naming the first field and rule that fail."""
+        """Raise InvalidEventError naming the first field and rule that fail. A value the
+        rule cannot compare fails it: a union field may hold a string where `min` wants
+        a number."""
         for field, rule, expected, passes in self._checks:
             value = event.get(field)
-            if not passes(value):
+            try:
+                passed = passes(value)
+            except (TypeError, ValueError, OverflowError):
+                passed = False
+            if not passed:
                 raise InvalidEventError(field, rule, expected, value)
 
     def describe(self) -> list[str]:

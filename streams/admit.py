@@ -27,6 +27,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from schemas.config import InputConfig
@@ -204,10 +205,12 @@ class Tickets:
 
     def deadline_s(self, record: InputRecord, event: Mapping[str, Any] | None) -> float:
         """Event time plus the budget; the Kafka timestamp where there is no event time
-        (no field configured, a null value, or an input that did not decode)."""
+        (no field configured, a null or unusable value, or an input that did not decode)."""
         event_time_ms = None
         if self._time_field is not None and event is not None:
             event_time_ms = event.get(self._time_field)
+            if type(event_time_ms) is not int:  # int: epoch ms, the usual case
+                event_time_ms = _epoch_ms(event_time_ms)
         if event_time_ms is None:
             event_time_ms = record.timestamp_ms
         return event_time_ms / 1000 + self._budget_s
@@ -224,8 +227,19 @@ class Tickets:
             return self._default
         try:
             return self._admission.clamp(int(value))
-        except (TypeError, ValueError):  # absent or not a number
+        except (TypeError, ValueError, OverflowError):  # not a number, NaN or infinite
             return self._default
+
+
+def _epoch_ms(value: Any) -> float | None:
+    """An event time field's value in epoch milliseconds: a number as it is, a datetime
+    (Avro's `timestamp-millis` and `timestamp-micros`, which fastavro reads as datetimes)
+    converted; None for anything else (NaN, infinity, a bool, a date)."""
+    if isinstance(value, datetime):
+        return value.timestamp() * 1000
+    if type(value) is float and math.isfinite(value):
+        return value
+    return None
 
 
 class RecentTimes:

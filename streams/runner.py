@@ -168,6 +168,11 @@ class PipelineRunner:
     def submit(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> None:
         """Hand consumed records over, each with the handle the ack callback receives.
         Never blocks: the consumer bounds what it submits (the in-flight bound)."""
+        if self._bug is not None:
+            # The worker is ending for a bug met in an earlier chunk (the decode stage may
+            # still await a registry lookup): what follows it is left unacknowledged, as
+            # it is, never answered and acknowledged past the record the bug skipped.
+            return
         self.in_flight.add(len(records))
         # Decoded at once, except what waits for a schema id: a hop through the decode
         # stage costs a loop iteration per chunk, which the Faust runtime makes milliseconds.

@@ -74,3 +74,19 @@ def test_a_field_a_model_takes_as_float32_must_fit_in_float32():
     assert (failed.value.field, failed.value.rule, failed.value.reason) == (
         "amount", "float32", "invalid_field",
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rule", "value"),
+    [({"min": 0}, "12"), ({"max": 10}, "12"), (["finite"], "nan"), (["non_empty"], 12.0)],
+)
+def test_a_value_a_rule_cannot_compare_breaks_it(rule, value):
+    # A union field may hold a string where `min` wants a number: a dead letter naming
+    # the rule, never a crash (which would stop the partition on that record).
+    schema = {"type": "record", "name": "Reading", "fields": [
+        {"name": "level", "type": ["null", "string", "double"]},
+    ]}  # fmt: skip
+    config = InputConfig.model_validate({"schema": "r.avsc", "validate": {"level": rule}})
+    with pytest.raises(InvalidEventError) as caught:
+        EventRules(config.validate_fields, schema).check({"level": value})
+    assert caught.value.reason == "invalid_field" and caught.value.field == "level"

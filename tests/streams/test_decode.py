@@ -5,9 +5,12 @@ dead-letters its records, one it cannot answer for now is reported for a retry."
 from __future__ import annotations
 
 import asyncio
+import io
 import struct
 import time
 from pathlib import Path
+
+import fastavro
 
 from schemas.catalogue import LocalCatalogue, load_schema
 from schemas.codec import AvroDecoder, AvroEncoder
@@ -88,3 +91,54 @@ async def test_an_unreachable_registry_is_reported_per_id_and_asked_again():
     assert decoder.lookup_ids(records) == [77]  # still to resolve: its records wait
     await decoder.resolve({77})
     assert registry.calls.count(77) == 2 and registry.calls.count(4242) == 1
+
+
+def with_time_field(schema: dict, event_time_type: dict, priority_type: list) -> EventDecoder:
+    """A decoder of `schema` whose deadlines come from its `event_time_ms` and whose
+    priority comes from its `priority` field, these fields typed as given."""
+    for field in schema["fields"]:
+        if field["name"] == "event_time_ms":
+            field["type"] = event_time_type
+        if field["name"] == "priority":
+            field["type"] = priority_type
+    raw = sample_config("k:9092", Path("repo"), Path("m.onnx"))
+    raw["pipelines"][0]["input"]["event_time_field"] = "event_time_ms"
+    raw["pipelines"][0]["priority"] = {"field": "priority"}
+    spec = PipelineConfig.model_validate(raw["pipelines"][0])
+    admission = Admission(1.0, spec.priority.budget_shares, Ladder())
+
+    class Registry:
+        def schema_for_id(self, _schema_id: int) -> dict:
+            return schema
+
+    return EventDecoder(
+        AvroDecoder(Registry(), schema), EventRules(spec.input.validate_fields, schema),
+        Tickets(admission, spec.input, spec.priority), metrics.PipelineMetrics("decode-test"),
+    )  # fmt: skip
+
+
+def test_an_event_time_of_avro_timestamp_type_and_a_priority_out_of_range_are_read():
+    schema = load_schema("transaction.avsc")
+    decoder = with_time_field(
+        schema, {"type": "long", "logicalType": "timestamp-millis"}, ["null", "double"]
+    )
+    happened_ms = 1_700_000_000_000
+    values = [float("inf"), float("nan"), 0.0]
+    records = [
+        InputRecord("in", 0, offset, 0, b"k", framed_as(schema, event_time_ms=happened_ms,
+                                                        priority=value))
+        for offset, value in enumerate(values)
+    ]  # fmt: skip
+    items = decoder.decode_known(records, [0, 1, 2])
+    assert [item.error for item in items] == [None, None, None]
+    # Its deadline is its own time plus the budget (1 s), not the Kafka timestamp's (0).
+    assert {item.deadline_s for item in items} == {happened_ms / 1000 + 1.0}
+    assert [item.priority for item in items] == [1, 1, 0]  # unusable: the default (1)
+
+
+def framed_as(schema: dict, **fields) -> bytes:
+    event = {"event_id": "e", "user_id": "u", "merchant_id": "m", "amount": 1.0,
+             "hour_of_day": 3, "is_online": True, **fields}  # fmt: skip
+    body = io.BytesIO()
+    fastavro.schemaless_writer(body, fastavro.parse_schema(schema), event)
+    return struct.pack(">bI", 0, 1) + body.getvalue()

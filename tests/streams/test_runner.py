@@ -404,3 +404,58 @@ async def test_a_stop_gives_up_what_waits_for_the_registry_without_acknowledging
     await run.stop()
     assert sorted(acked) == [(0, 0), (1, 0)] and given_up == [(0, 1), (0, 2)]
     assert run.in_flight.count == 0
+
+
+class SlowRegistryDecoder(RegistryDecoder):
+    """A registry that answers once `answer` is set (a lookup that takes its timeout); a
+    record whose value is b"bug" breaks decoding."""
+
+    def __init__(self, changed: asyncio.Event, known: set[int]) -> None:
+        super().__init__(changed, known)
+        self.down = False
+        self.answer = asyncio.Event()
+
+    def lookup_ids(self, records):
+        return [None if r.value == b"bug" or int(r.value) in self.known else int(r.value)
+                for r in records]  # fmt: skip
+
+    async def resolve(self, ids):
+        self.attempts += ids
+        self.changed.set()
+        await self.answer.wait()
+        self.known |= set(ids)
+        return {}
+
+
+async def test_what_follows_a_decoding_bug_is_not_answered_while_a_lookup_delays_the_exit():
+    pipeline, acked, fatal = FakePipeline(), [], []
+    decoder = SlowRegistryDecoder(pipeline.changed, known={1})
+
+    def on_fatal(error, records):
+        fatal.append((error, [(r.partition, r.offset) for r in records]))
+        pipeline.changed.set()
+        raise asyncio.CancelledError  # ends the stage, as the real exit ends the process
+
+    run = PipelineRunner(
+        pipeline, decoder, InFlight("runner-test", 1000, 500),
+        lambda handles: (acked.extend(handles), pipeline.changed.set()), on_fatal,
+        clock=time.monotonic, wall_clock=lambda: 1_800_000_000.0, lookup_backoff_s=(0.001, 0.01),
+    )  # fmt: skip
+
+    def submit(chunk: list[InputRecord]) -> None:
+        run.submit(chunk, [(r.partition, r.offset) for r in chunk])
+
+    await run.start()
+    submit(records_of(1, 0, [2]))  # partition 1 meets an id: the decode stage looks it up
+    await wait_for(pipeline, lambda: decoder.attempts)
+    submit([InputRecord("in", 0, 0, 0, b"k", b"bug")])  # partition 0, offset 0: a bug
+    taken = run.in_flight.count
+    submit(records_of(0, 1, [1, 1, 1]))  # what follows it on partition 0
+    # Not taken in: answered and acknowledged, they would commit past offset 0, which the
+    # worker, ending, never answered.
+    assert run.in_flight.count == taken
+    decoder.answer.set()
+    await wait_for(pipeline, lambda: fatal)
+    await run.stop()
+    assert fatal[0][1] == [(0, 0)]
+    assert [handle for handle in acked if handle[0] == 0] == []
