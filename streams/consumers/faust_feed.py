@@ -449,12 +449,23 @@ class BulkConsumer(faust_aiokafka.Consumer):
             # (In a rebalance Faust holds every partition paused, and resumes them itself.)
             self.resume_partitions({tp})
 
+    given_up: tuple[int, frozenset[TP]] = (0, frozenset())
+    """(seeks, partitions): partitions whose records waiting for the registry were given
+    up since that seek. Their later records, fetched before the next seek, are dropped
+    too (`FeedApp.take`): answered, they would be acknowledged (with exactly-once,
+    committed) past the records given up."""
+
     async def wait_empty(self) -> None:
         """Faust's wait for every taken record's ack (a stop, a rebalance), after the
         runners gave up the records they hold for the schema registry: unacknowledged,
         Kafka hands them out again, and neither waits for the registry."""
         for give_up in self.app.holders:
-            self._unacked_messages.difference_update(await give_up())
+            given_up = await give_up()
+            self._unacked_messages.difference_update(given_up)
+            if given_up:
+                seeks, partitions = self.given_up
+                partitions = partitions if seeks == self.seeks else frozenset()
+                self.given_up = (self.seeks, partitions | {m.tp for m in given_up})
         self._to_pause = frozenset()  # nothing is held now; Faust resumes what it paused
         unfinished = self.app.on_unfinished
         if unfinished is None:
@@ -517,16 +528,23 @@ class FeedApp(faust.App):
 
     async def take(self, topic: str) -> Chunk:
         """The next chunk of `topic`'s records, tracked as unacked from here on; chunks
-        fetched before the last seek are dropped (`Chunk`). Chunks still queued at a
+        fetched before the last seek are dropped (`Chunk`), and so are records behind
+        records given up to the registry (`BulkConsumer.given_up`). Chunks still queued at a
         stop were never taken: nothing commits them, and the next owner of their
         partitions reads them again."""
         feed, consumer = self.feeds[topic], self.consumer
         while True:
             messages = await feed.get()
-            if messages.seeks == consumer.seeks:
-                consumer.track(messages)
-                return messages
-            # Fetched before a seek moved its partitions: fetched again from there.
+            if messages.seeks != consumer.seeks:
+                continue  # fetched before a seek moved its partitions: fetched again
+            seeks, given_up = consumer.given_up
+            if given_up and seeks == messages.seeks:
+                # Behind records given up to the registry: fetched again after the seek.
+                messages = Chunk([m for m in messages if m.tp not in given_up], seeks)
+                if not messages:
+                    continue
+            consumer.track(messages)
+            return messages
 
     async def settle(self, timeout_s: float) -> None:
         """Until every chunk already fetched was taken by its agent and acknowledged

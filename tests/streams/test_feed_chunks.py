@@ -1,19 +1,23 @@
 """A chunk the Faust runtime fetched before an assignment's seek is never answered:
 its records are fetched again from the seek's positions (answered from both, they were
-answered twice under exactly-once, after a broker crash)."""
+answered twice under exactly-once, after a broker crash). Nor are records behind records
+given up to the schema registry at a rebalance: answered, they would be committed past
+them (with exactly-once, the records given up were then never answered)."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import NamedTuple
 
-from streams.consumers.faust_feed import FEED_CHUNKS, Chunk, FeedApp
+from streams.consumers.faust_feed import FEED_CHUNKS, BulkConsumer, Chunk, FeedApp
 
 
 class Consumer:
     def __init__(self) -> None:
         self.seeks = 1
         self._unacked_messages: set = set()
+        self.given_up = BulkConsumer.given_up
 
     def track(self, messages: list) -> None:
         self._unacked_messages.update(messages)
@@ -45,5 +49,39 @@ def test_a_chunk_of_the_current_assignment_is_taken_and_tracked():
         await app.feeds["in"].put(Chunk(["b-7"], seeks=1))
         assert await asyncio.wait_for(FeedApp.take(app, "in"), 5) == ["b-7"]
         assert app.consumer._unacked_messages == {"b-7"}
+
+    asyncio.run(scenario())
+
+
+class Message(NamedTuple):
+    tp: tuple[str, int]
+    offset: int
+
+
+def test_records_behind_records_given_up_to_the_registry_wait_for_the_next_seek():
+    held, later, other = Message(("in", 0), 7), Message(("in", 0), 13), Message(("in", 1), 4)
+
+    async def give_up() -> list[Message]:  # a runner's records waiting for the registry
+        return [held]
+
+    async def scenario() -> None:
+        app = feed_app()
+        consumer = object.__new__(BulkConsumer)  # what `wait_empty` uses of Faust's consumer
+        consumer.app = SimpleNamespace(
+            holders=[give_up],
+            on_unfinished=lambda left: None,
+            conf=SimpleNamespace(broker_session_timeout=10.0),
+        )
+        consumer.seeks, consumer._unacked_messages = 1, {held}
+        await consumer.wait_empty()  # a rebalance: partition 0 gives up offset 7
+        assert consumer._unacked_messages == set()
+        app.consumer.given_up = consumer.given_up
+        # Queued before the rebalance paused fetching, taken while it settles.
+        await app.feeds["in"].put(Chunk([later, other], seeks=1))
+        assert await asyncio.wait_for(FeedApp.take(app, "in"), 5) == [other]
+        app.consumer.seeks = 2  # the assignment's seek to the committed offsets
+        await app.feeds["in"].put(Chunk([held, later], seeks=2))  # fetched again from 7
+        assert await asyncio.wait_for(FeedApp.take(app, "in"), 5) == [held, later]
+        assert app.consumer._unacked_messages == {other, held, later}
 
     asyncio.run(scenario())
