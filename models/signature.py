@@ -87,11 +87,14 @@ class ModelOutput:
         classes = self.classes or tuple(str(i) for i in range(probabilities.shape[1]))
         k = min(self.top_k, probabilities.shape[1])
         order = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
+        # A row with a class that is not a number has no best class (argsort puts NaN
+        # last): its score is NaN, so that the answer is not OK (`Pipeline._finite`).
+        finite = np.isfinite(probabilities).all(axis=1).tolist()
         out = []
-        for row, best in zip(probabilities.tolist(), order.tolist(), strict=True):
+        for row, best, usable in zip(probabilities.tolist(), order.tolist(), finite, strict=True):
             top = [{"label": classes[c], "probability": row[c]} for c in best]
-            out.append({"label": top[0]["label"], "score": top[0]["probability"],
-                        "top_classes": top})  # fmt: skip
+            score = top[0]["probability"] if usable else math.nan
+            out.append({"label": top[0]["label"], "score": score, "top_classes": top})
         return out
 
     def unanswered(self) -> dict[str, Any]:

@@ -311,7 +311,7 @@ class Pipeline:
         if route is Route.FULL:
             self.metrics.stage["inference"].observe(seconds)
         prepared.run_seconds[route] = seconds
-        unusable = [item for item in items if not _finite(item.answer)]
+        unusable = [item for item in items if not finite_answer(item.answer)]
         if route is Route.FULL and unusable:
             unusable = await self._rescue(prepared, unusable)
         for item in unusable:
@@ -338,7 +338,7 @@ class Pipeline:
         for item in able:
             item.route, item.reason = Route.FALLBACK, NON_FINITE
         rescued = {id(item) for item in able}
-        return [item for item in items if id(item) not in rescued or not _finite(item.answer)]
+        return [item for item in items if id(item) not in rescued or not finite_answer(item.answer)]
 
     async def publish(self, prepared: Prepared) -> None:
         """Encode an outcome for every input and write them all; returns once Kafka has
@@ -444,7 +444,7 @@ class Pipeline:
         measure.in_budget(in_budget)
 
 
-def _finite(answer: dict[str, Any]) -> bool:
+def finite_answer(answer: dict[str, Any]) -> bool:
     """Whether a model's answer is a number (score: binary, multiclass; value: regression)."""
     number = answer["value"] if "value" in answer else answer["score"]
     return math.isfinite(number)

@@ -13,15 +13,17 @@ them with a producer of its own, outside the serving path's delivery and transac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
 from confluent_kafka import Producer
 
 from streams import metrics
-from streams.admit import Route
+from streams.admit import NON_FINITE, Route
 from streams.encode import AnswerEncoder
-from streams.pipeline import Pipeline, Prepared
+from streams.pipeline import Pipeline, Prepared, finite_answer
+from streams.records import Item
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class ShadowScorer:
         timings = {**prepared.timings, "inference_us": int(seconds * 1e6)}
         signature = candidate.signature
         for item, answer in zip(items, answers, strict=True):
-            record = self._encoder.encode(item, signature, answer, [], timings)
+            record = self._encoder.encode(as_answered(item, answer), signature, answer, [], timings)
             self._producer.produce(record.topic, record.value, record.key,
                                    on_delivery=self._delivered)  # fmt: skip
         self._producer.poll(0)
@@ -87,3 +89,11 @@ class ShadowScorer:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._producer.flush(timeout_s)
+
+
+def as_answered(item: Item, answer: dict[str, Any]) -> Item:
+    """The item as the candidate's answer leaves it: a NaN or infinite answer is no
+    answer (`SHED`, `non_finite_answer`), never `OK` beside the serving answer's status."""
+    if finite_answer(answer):
+        return item
+    return dataclasses.replace(item, route=Route.SHED, reason=NON_FINITE)

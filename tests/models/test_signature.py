@@ -496,3 +496,11 @@ def test_fixed_answers():
 def test_classes_that_do_not_match_a_probability_tensor_are_refused():
     with pytest.raises(ModelError, match="names 3 classes, the output"):
         multiclass(classes=("a", "b", "c")).learn_classes(np.zeros((1, 2), np.float32))
+
+
+def test_a_multiclass_row_with_a_class_that_is_not_a_number_has_no_score():
+    # Beyond the top k too: the row's best class is unknown, so the answer is not OK.
+    output = multiclass(classes=("cat", "dog", "eel"))
+    probabilities = np.array([[0.25, 0.625, math.nan], [0.5, 0.25, 0.25]], dtype=np.float32)
+    broken, fine = output.answers(probabilities, 2)
+    assert math.isnan(broken["score"]) and fine["score"] == 0.5
