@@ -185,14 +185,22 @@ class Pipeline:
         }
         return prepared
 
-    def route(self, items: Sequence[Item], estimates: Estimates) -> None:
-        """Decide, or revise, the route of each item (in batch order) by its deadline."""
+    def route(
+        self, items: Sequence[Item], estimates: Estimates, features_read: bool = False
+    ) -> None:
+        """Decide, or revise, the route of each item (in batch order) by its deadline.
+        Once the features are read, an item sent to a fallback model that reads the store
+        has no row unless the full model read one for it: it takes the rungs after."""
         candidates = [
             Candidate(item.deadline_s, item.priority, item.cached is not None) for item in items
         ]
         decisions = self.admission.decide(candidates, self._clock(), estimates)
+        no_rows = features_read and self.fallback is not None and self.fallback.needs_store
         for item, decision in zip(items, decisions, strict=True):
-            item.route, item.reason = decision.route, decision.reason
+            route = decision.route
+            if no_rows and route is Route.FALLBACK and item.row is None:
+                route = self.admission.without_model(item.cached is not None).route
+            item.route, item.reason = route, decision.reason
 
     async def read_features(self, prepared: Prepared) -> None:
         """One store read (through the cache) for the events whose model needs it. When

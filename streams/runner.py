@@ -372,7 +372,7 @@ class PipelineRunner:
             # Again, now that its features are read: the work ahead may have grown.
             full = [item for item in prepared.admitted if item.route is Route.FULL]
             estimates = self._estimates("inference", started, len(batch.items), batch.reservation)
-            self.pipeline.route(full, estimates)
+            self.pipeline.route(full, estimates, features_read=True)
             inference = eager.start(self._run_models(batch, prepared))  # inline runs end here
             await self._to_publish.put((batch, prepared, inference, self._clock()))
 

@@ -91,13 +91,15 @@ def pipeline(
     fallback: bool = True,
     event_time_field=None,
     full_score: float = 0.9,
+    full_features: tuple[str, ...] = ("amount", *STORE),
+    lite_features: tuple[str, ...] = ("amount",),
     **spec_overrides,
 ) -> tuple[Pipeline, dict]:
     raw = sample_config("k:9092", Path("repo"), Path("m.onnx"), default_score=default_score)
     raw["pipelines"][0]["input"]["event_time_field"] = event_time_field
     spec = PipelineConfig.model_validate({**raw["pipelines"][0], **spec_overrides})
-    full = FakePool("full", ("amount", *STORE), full_score)
-    lite = FakePool("lite", ("amount",), 0.2) if fallback else None
+    full = FakePool("full", full_features, full_score)
+    lite = FakePool("lite", lite_features, 0.2) if fallback else None
     parts = {"full": full, "lite": lite, "publisher": FakePublisher(), "store": FakeLookup()}
     catalogue = LocalCatalogue()
     measure = metrics.PipelineMetrics(spec.name)
@@ -209,6 +211,32 @@ def test_priority_comes_from_the_header_then_the_field_then_the_default():
         ("OK", None),  # an unreadable header gets the default, not the field
         ("OK", None),
     ]
+
+
+def test_an_event_moved_late_to_a_fallback_that_reads_the_store_takes_the_rungs_after():
+    # The full model reads no store, so no row was read for the event; when the revision
+    # before inference finds the full model late, the fallback has no row to run on.
+    built, parts = pipeline(
+        default_score=0.05, full_features=("amount",), lite_features=("amount", *STORE)
+    )
+    batch = records([0.050])
+
+    async def stages() -> None:
+        items = await parts["decoder"].decode(batch, [0])
+        prepared = built.prepare(items)
+        built.route(prepared.admitted, FAST)  # in full: no store read for it
+        await built.read_features(prepared)
+        built.route(prepared.admitted, SLOW, features_read=True)  # now late for it
+        await built.infer(prepared)
+        await built.publish(prepared)
+
+    asyncio.run(stages())
+    (record,) = parts["publisher"].records
+    answer = AvroDecoder(LocalCatalogue(), "prediction.avsc").decode(record.value)
+    assert (answer["status"], answer["degraded_by"], answer["reason"]) == (
+        "DEGRADED", "default", "deadline_at_risk",
+    )  # fmt: skip
+    assert parts["lite"].rows == 0
 
 
 def test_deadlines_can_come_from_an_event_field():

@@ -76,7 +76,7 @@ class FakePipeline:
             item.route = Route.FULL
         return Prepared(items, admitted=list(items), timings={"decode_us": 0})
 
-    def route(self, items, estimates) -> None:
+    def route(self, items, estimates, features_read: bool = False) -> None:
         pass
 
     def done(self, prepared) -> None:
