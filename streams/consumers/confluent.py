@@ -115,6 +115,8 @@ class BareConsumer:
         self._handed_over: dict[str, int] = {}
         # The same per partition: what a revoked partition must finish before it goes.
         self._unwritten: Counter[tuple[str, int]] = Counter()
+        # Partitions revoked or lost while a poll's records were taken (poll thread's).
+        self._revoked_in_poll: set[tuple[str, int]] = set()
         self._revoke_timeout_s = config.broker.session_timeout_ms / 1000
         self._bounds: dict[str, tuple[int, int]] = {}
         # Input topics at their in-flight bound, and those paused in librdkafka for it
@@ -217,14 +219,26 @@ class BareConsumer:
             first = self._consumer.poll(BUSY_POLL_S if handed_over else IDLE_POLL_S)
             if first is None:
                 continue
-            # Take what is already here without waiting for more (no added latency).
-            messages = [first, *self._consumer.consume(self._max_chunk - 1, 0)]
+            messages = self._with_what_is_here(first)
             for message in messages:
                 if not message.error():
                     self._handed_over[message.topic()] += 1
                     self._unwritten[(message.topic(), message.partition())] += 1
             loop.call_soon_threadsafe(self._dispatch, messages)
         self._run_queued_calls()
+
+    def _with_what_is_here(self, first: Message) -> list[Message]:
+        """`first` and the records already fetched after it (taken without waiting: no
+        added latency), less those of partitions revoked meanwhile. A revoke served
+        inside `consume` finished its partitions (waited for what was handed over, then
+        committed) without `first`, not handed over yet: their next owner reads such
+        records again from the committed offsets, so they are not answered here."""
+        self._revoked_in_poll.clear()
+        messages = [first, *self._consumer.consume(self._max_chunk - 1, 0)]
+        gone = self._revoked_in_poll
+        if gone:
+            messages = [m for m in messages if (m.topic(), m.partition()) not in gone]
+        return messages
 
     def _apply_bounds(self) -> None:
         for topic, (high, low) in self._bounds.items():
@@ -351,6 +365,7 @@ class BareConsumer:
         written, running the loop's queued calls (acks) meanwhile."""
         self._health.revoked()
         revoked = [(tp.topic, tp.partition) for tp in partitions]
+        self._revoked_in_poll.update(revoked)
         self._give_up_held(revoked)
         deadline = time.monotonic() + timeout_s
         while any(self._unwritten[tp] > 0 for tp in revoked) and time.monotonic() < deadline:

@@ -408,7 +408,9 @@ class BulkConsumer(faust_aiokafka.Consumer):
         passes the next record's offset as the gap's end, which `_add_gap` includes: that
         record, acknowledged too, is then counted twice, and Faust's commits stopped for
         good at the first transaction marker of each partition (committed 8, 6 and 4 of
-        30, 23 and 15 records in three transactions)."""
+        30, 23 and 15 records in three transactions). A gap after offset 0 counts too
+        (Faust's loop tests the read offset for truth: it skipped that gap, and commits
+        stopped for good at offset 1)."""
         read_offsets = self._read_offset
         gaps_matter = self.app.topics.acks_enabled_for(tp.topic)
         generation = self.app.consumer_generation_id
@@ -417,7 +419,7 @@ class BulkConsumer(faust_aiokafka.Consumer):
             offset, read = message.offset, read_offsets[tp]
             if read is not None and offset < read:
                 continue
-            if read and offset - read > 1 and gaps_matter:
+            if read is not None and offset - read > 1 and gaps_matter:
                 await self._add_gap(tp, read + 1, offset - 1)
                 if (
                     not self.flow_active
@@ -458,18 +460,18 @@ class BulkConsumer(faust_aiokafka.Consumer):
     async def wait_empty(self) -> None:
         """Faust's wait for every taken record's ack (a stop, a rebalance), after the
         runners gave up the records they hold for the schema registry: unacknowledged,
-        Kafka hands them out again, and neither waits for the registry."""
-        for give_up in self.app.holders:
-            given_up = await give_up()
-            self._unacked_messages.difference_update(given_up)
-            if given_up:
-                seeks, partitions = self.given_up
-                partitions = partitions if seeks == self.seeks else frozenset()
-                self.given_up = (self.seeks, partitions | {m.tp for m in given_up})
+        Kafka hands them out again, and neither waits for the registry. Chunks queued
+        before the stop or the rebalance are still taken meanwhile (`FeedApp.settle`):
+        what their records wait for is given up as it comes."""
+        await self._give_up_held()
         self._to_pause = frozenset()  # nothing is held now; Faust resumes what it paused
         unfinished = self.app.on_unfinished
         if unfinished is None:
-            return await super().wait_empty()
+            giving_up = asyncio.ensure_future(self._keep_giving_up_held())
+            try:
+                return await super().wait_empty()
+            finally:
+                giving_up.cancel()
         # Exactly-once: an ack is a committed transaction, which a worker whose group
         # moved on never makes, and Faust's wait has no end (nor can it be cancelled).
         loop = asyncio.get_running_loop()
@@ -478,6 +480,22 @@ class BulkConsumer(faust_aiokafka.Consumer):
             if loop.time() > deadline:
                 return unfinished(list(self._unacked_messages))
             await asyncio.sleep(0.005)  # acks come as transactions commit
+            await self._give_up_held()
+
+    async def _give_up_held(self) -> None:
+        for give_up in self.app.holders:
+            given_up = await give_up()
+            if given_up:
+                self._unacked_messages.difference_update(given_up)
+                seeks, partitions = self.given_up
+                partitions = partitions if seeks == self.seeks else frozenset()
+                self.given_up = (self.seeks, partitions | {m.tp for m in given_up})
+
+    async def _keep_giving_up_held(self) -> None:
+        # Faust's wait looks at what is unacknowledged at least once a second.
+        while True:
+            await asyncio.sleep(0.05)
+            await self._give_up_held()
 
     async def _commit_if_due(self) -> None:
         every = self._commit_every

@@ -10,6 +10,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import NamedTuple
 
+from faust.types import TP
+
 from streams.consumers.faust_feed import FEED_CHUNKS, BulkConsumer, Chunk, FeedApp
 
 
@@ -83,5 +85,53 @@ def test_records_behind_records_given_up_to_the_registry_wait_for_the_next_seek(
         await app.feeds["in"].put(Chunk([held, later], seeks=2))  # fetched again from 7
         assert await asyncio.wait_for(FeedApp.take(app, "in"), 5) == [held, later]
         assert app.consumer._unacked_messages == {other, held, later}
+
+    asyncio.run(scenario())
+
+
+def test_records_held_after_the_first_give_up_are_given_up_as_they_come():
+    # Taken from a chunk queued before the rebalance, held for the registry after the
+    # first give-up: the wait for acknowledgements would otherwise never end.
+    later = Message(("in", 2), 9)
+    asked = []
+
+    async def give_up() -> list[Message]:
+        asked.append(len(asked))
+        return [later] if len(asked) == 2 else []
+
+    async def scenario() -> None:
+        consumer = object.__new__(BulkConsumer)
+        consumer.app = SimpleNamespace(
+            holders=[give_up],
+            on_unfinished=lambda left: None,
+            conf=SimpleNamespace(broker_session_timeout=60.0),
+        )
+        consumer.seeks, consumer._unacked_messages = 1, {later}
+        consumer._stopped, consumer._crashed = asyncio.Event(), asyncio.Event()
+        await asyncio.wait_for(consumer.wait_empty(), 5)
+        assert consumer._unacked_messages == set()
+        assert consumer.given_up == (1, frozenset({("in", 2)}))
+
+    asyncio.run(scenario())
+
+
+def test_the_offsets_after_a_partitions_first_record_that_hold_no_record_are_a_gap():
+    # Offset 0, then an aborted transaction's records and marker (1 to 3), then 4: the
+    # gap is committed past, or commits stop at offset 1 for the rest of the run.
+    gaps = []
+
+    async def add_gap(tp, first: int, last: int) -> None:
+        gaps.append((tp, first, last))
+
+    async def scenario() -> None:
+        consumer = object.__new__(BulkConsumer)
+        consumer._add_gap, consumer.seeks, consumer._read_offset = add_gap, 1, {}
+        consumer.app = SimpleNamespace(
+            topics=SimpleNamespace(acks_enabled_for=lambda _: True), consumer_generation_id=1
+        )
+        first, after = Message(TP("in", 0), 0), Message(TP("in", 0), 4)
+        consumer._read_offset[TP("in", 0)] = None
+        assert await consumer._in_order(TP("in", 0), [first, after], 1) == [first, after]
+        assert gaps == [(TP("in", 0), 1, 3)]
 
     asyncio.run(scenario())
