@@ -88,7 +88,7 @@ class ModelOutput:
         k = min(self.top_k, probabilities.shape[1])
         order = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
         # A row with a class that is not a number has no best class (argsort puts NaN
-        # last): its score is NaN, so that the answer is not OK (`Pipeline._finite`).
+        # last): its score is NaN, so that the answer is not OK (`finite_answer`).
         finite = np.isfinite(probabilities).all(axis=1).tolist()
         out = []
         for row, best, usable in zip(probabilities.tolist(), order.tolist(), finite, strict=True):
