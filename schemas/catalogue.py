@@ -54,10 +54,15 @@ LOCAL_IDS: dict[int, str] = {
 _FIRST_COMPUTED_ID = 1 << 20
 
 
-@cache
 def load_schema(file_name: str) -> dict[str, Any]:
-    """The raw (unparsed) JSON of a schema shipped in `schemas/`."""
-    return json.loads((SCHEMA_DIR / file_name).read_text())
+    """The raw (unparsed) JSON of a schema shipped in `schemas/`, a fresh copy per call:
+    a caller that changes it changes no one else's."""
+    return json.loads(_shipped_text(file_name))
+
+
+@cache
+def _shipped_text(file_name: str) -> str:
+    return (SCHEMA_DIR / file_name).read_text()
 
 
 def read_schema_file(path: Path) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas.catalogue import LOCAL_IDS, LocalCatalogue
+from schemas.catalogue import LOCAL_IDS, LocalCatalogue, load_schema
 from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import DecodeError, SchemaNotFoundError
 
@@ -135,3 +135,11 @@ def test_unknown_ids_are_learned_once_and_then_decode(encoder):
     assert decoder.unknown_ids([framed]) == set()
     with pytest.raises(SchemaNotFoundError):
         decoder.decode(b"\x00" + struct.pack(">I", 4242) + b"\x00")
+
+
+def test_a_shipped_schema_changed_by_one_caller_is_unchanged_for_the_next():
+    mine = load_schema("transaction.avsc")
+    mine["fields"].clear()
+    assert [f["name"] for f in load_schema("transaction.avsc")["fields"]][:2] == [
+        "event_id", "user_id",
+    ]  # fmt: skip
