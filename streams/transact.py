@@ -36,6 +36,8 @@ open transaction blocks its partitions until Kafka aborts it (`transaction.timeo
 Failures. A record Kafka refuses aborts the transaction; the topics' limits are read
 again and the records are written anew on a new producer, one at a time, so that the
 record at fault fails alone and is replaced by its dead letter (`streams/outgoing.py`).
+Those one-at-a-time passes commit a few batches per transaction (`ALONE_CHUNK_RECORDS`),
+so that none outlasts the transaction timeout.
 A transaction that fails for the group's sake (a rebalance moved the generation on, or
 the consumer joined again under its instance id with a new member id) is aborted and
 written again with the consumer's current group metadata. Anything else (a broker
@@ -59,7 +61,7 @@ import queue
 import sys
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
@@ -98,6 +100,9 @@ SETTLE_S = 0.003
 # Batches of a pipeline handed over while earlier ones commit (the runner's
 # `publish_ahead`): the next transaction takes them together.
 BATCHES_AHEAD = 16
+# Records a transaction holds at most while each is sent alone (a round trip each,
+# 1-2 ms here: a chunk's pass takes well under a second).
+ALONE_CHUNK_RECORDS = 256
 # Delays between attempts of a transaction Kafka could not take (as the runner's).
 RETRY_DELAYS_S = (0.1, 0.3, 1.0, 3.0, 10.0)
 # Attempts with fresh group metadata after the group moved on, and attempts after the
@@ -295,11 +300,24 @@ class TransactionalPublisher(Publisher):
                 other.set_result(None)
 
     async def _commit_with_retries(self, batches: list[Outgoing]) -> None:
+        if await self._with_retries(batches, one_by_one=False):
+            return
+        # Kafka refused a record batch whole: its records go alone, each waiting for its
+        # delivery, to find the one at fault. Such a pass costs a round trip a record,
+        # so the group is committed a few batches at a time, each chunk a transaction of
+        # its own: a pass ends well inside the transaction timeout however large the
+        # group, and a record found at fault sends only its own chunk again.
+        for chunk in _chunks(batches, ALONE_CHUNK_RECORDS):
+            await self._with_retries(chunk, one_by_one=True)
+
+    async def _with_retries(self, batches: list[Outgoing], one_by_one: bool) -> bool:
+        """Commit `batches` with their input offsets, retried with backoff. False when
+        Kafka refused a record batch whole (not `one_by_one`): nothing was committed."""
         offsets = next_offsets(record for batch in batches for record in batch.inputs)
         size = sum(len(batch) for batch in batches)
         for attempt, delay_s in enumerate((*self._retry_delays_s, None), start=1):
             try:
-                return await self._transact(batches, offsets)
+                return await self._transact(batches, offsets, one_by_one)
             except PublishError as exc:
                 if delay_s is None:
                     raise TransactionFailed(
@@ -309,15 +327,18 @@ class TransactionalPublisher(Publisher):
                             size, attempt, exc)  # fmt: skip
                 await asyncio.sleep(delay_s)
 
-    async def _transact(self, batches: list[Outgoing], offsets: list[TopicPartition]) -> None:
+    async def _transact(
+        self, batches: list[Outgoing], offsets: list[TopicPartition], one_by_one: bool
+    ) -> bool:
         """One attempt: the records of `batches` and `offsets` in a transaction, written
-        again at once where that can help. PublishError where only time can.
+        again at once where that can help; True once committed. False when Kafka refused
+        a record batch whole and the records must go `one_by_one` (the topics' limits
+        are read again first). PublishError where only time can help.
 
         The offsets go to the transaction while the records are on their way; the
         commit waits for their delivery reports here, since librdkafka's own wait (in
         `commit_transaction`) checks in steps of 10 ms for reports this publisher's
         poll thread takes."""
-        one_by_one = False
         group_attempts = purged = 0
         while True:
             # Membership first: a worker waiting to be a member again (its session
@@ -357,7 +378,7 @@ class TransactionalPublisher(Publisher):
             if not reported:
                 failures.update(await reports())
             if not failures and commit_error is None:
-                return
+                return True
             for error in failures.values():
                 self._check_fatal(error)
             fenced = commit_error is not None and commit_error.code() == _FENCED_INSTANCE
@@ -378,7 +399,8 @@ class TransactionalPublisher(Publisher):
                 # A record batch refused whole: limits may have been lowered. A new
                 # producer sized by them sends each record alone to find the one.
                 await self._replace(current, read_limits=True)
-                one_by_one = True
+                if not one_by_one:
+                    return False
             elif commit_error is not None and (commit_error.code() in _GROUP_MOVED or fenced):
                 if group_attempts == _GROUP_ATTEMPTS:
                     raise PublishError(f"the group kept moving on: {commit_error.str()}")
@@ -636,6 +658,20 @@ class _Caller:
                 result, error = None, exc
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(_settle, outcome, result, error)
+
+
+def _chunks(batches: list[Outgoing], records: int) -> Iterator[list[Outgoing]]:
+    """`batches` in order, in runs of whole batches of about `records` records each."""
+    chunk: list[Outgoing] = []
+    size = 0
+    for batch in batches:
+        chunk.append(batch)
+        size += len(batch)
+        if size >= records:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 def _settle(outcome: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -488,6 +488,42 @@ def test_records_kafka_refuses_in_a_transaction_are_found_and_dead_lettered(kafk
     assert committed(consumer, topics["in"]) == {0: 4, 1: 5, 2: 6}
 
 
+def test_a_group_refused_whole_is_sent_alone_and_committed_in_chunks(
+    kafka, topics, member, monkeypatch
+):
+    """A pass that sends each record alone costs a round trip a record: over a large
+    group it would outlast the transaction timeout (and be fenced), and every record
+    found at fault would send the whole group again. So the group is committed a few
+    batches at a time, each chunk a transaction of its own."""
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    monkeypatch.setattr(transact, "ALONE_CHUNK_RECORDS", 3)
+    commits: list[int] = []
+    counting = lambda config: CountingProducer(config, commits)  # noqa: E731
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", make_producer=counting)
+    values = [[b"0", b"1", b"2"], [b"3", None, b"5"], [b"6", b"7", b"8"], [None, b"10", b"11"]]
+    first, *refused = (batch(topics, group_values, 3 * at)
+                       for at, group_values in enumerate(values))  # fmt: skip
+
+    async def all_at_once() -> None:
+        await asyncio.gather(*(built.publish(each) for each in (first, *refused)))
+
+    try:
+        built.attach(metadata_of(consumer))
+        asyncio.run(asyncio.wait_for(all_at_once(), 60))
+    finally:
+        built.stop()
+    # The first alone; the three handed over while it committed, one chunk each.
+    assert len(commits) == 4
+    answers = read(bootstrap, topics["out"], "read_committed")
+    assert sorted(m.value() for m in answers) == sorted(
+        b"%d" % i for i in range(12) if i not in (4, 9)
+    )
+    letters = read(bootstrap, topics["dlq"], "read_committed")
+    assert [dict(m.headers())["headrace.error.reason"] for m in letters] == [b"unpublishable"] * 2
+    assert committed(consumer, topics["in"]) == {0: 10, 1: 11, 2: 12}
+
+
 def test_librdkafka_group_metadata_tells_a_member():
     outside = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "g"})
     try:
