@@ -149,7 +149,7 @@ class Outgoing:
             log.warning("%s: %s; dead-lettering its input (%s)", where, message, reason,
                         extra=about(self.pipeline, [source]))  # fmt: skip
         else:
-            replaced = self._cut(first, first_why, source, reason, why, keep_key=form == 2)
+            replaced = self._cut(record, first, first_why, source, reason, why, keep_key=form == 2)
             log.warning("%s: %s; writing its dead letter %s (%s)", where, why,
                         "cut" if form == 2 else "without key or value", reason,
                         extra=about(self.pipeline, [source]))  # fmt: skip
@@ -160,6 +160,7 @@ class Outgoing:
 
     def _cut(
         self,
+        current: OutRecord,
         first: OutRecord,
         first_why: str,
         source: InputRecord,
@@ -185,7 +186,8 @@ class Outgoing:
         if rule is not None:
             headers.append(("headrace.error.rule", rule.encode()[:MAX_HEADER_BYTES]))
         headers += _origin(source, self.pipeline)
-        headers += _kept_headers(first)
+        # The current form's: a retry may have marked it redelivered since the first.
+        headers += _kept_headers(current)
         headers += [
             ("headrace.value.size", str(len(value)).encode()),
             ("headrace.value.sha256", hashlib.sha256(value).hexdigest().encode()),

@@ -251,6 +251,17 @@ def test_an_answer_too_large_for_its_topic_dead_letters_its_input_keeping_its_ma
     assert batch.rewritten == {1: "too_large"}
 
 
+def test_a_dead_letter_marked_redelivered_on_a_retry_keeps_the_marker_when_cut():
+    inputs = [source(0, b"x" * 5_000)]
+    batch = outgoing([answer(0)], inputs)
+    batch.reduce(0, "too_large", "out refused its 100 bytes")  # the input's dead letter
+    # A retry after a handover the check could not see marks what it sends again.
+    mark_redelivered([item(inputs[0], redelivered=True)], batch.records)
+    cut = batch.reduce(0, "too_large", "dlq refused its 5,200 bytes")
+    assert headers(cut)[REDELIVERED] == "1"
+    assert cut.value == b"x" * KEPT_BYTES
+
+
 def test_a_record_batch_kafka_refuses_is_split_until_the_record_at_fault_is_found():
     # The publisher believes the output topic takes 100 kB; it takes 3 kB (lowered
     # while the worker runs): the refused batch stops the producer (gapless).
