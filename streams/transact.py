@@ -352,7 +352,13 @@ class TransactionalPublisher(Publisher):
                 batch.delivered[:] = [False] * len(batch)
             self._call(current.producer.begin_transaction)
             self._open = True
-            failures, reports = await self._send(current, batches, one_by_one)
+            try:
+                failures, reports = await self._send(current, batches, one_by_one)
+            except PublishError as exc:
+                # Even a record's smallest dead letter exceeds its topic's limit: no
+                # retry can write it; the error names the topic.
+                await self._abort(current)
+                raise TransactionFailed(str(exc)) from exc
             commit_error = None
             if not failures:
                 try:

@@ -524,6 +524,29 @@ def test_a_group_refused_whole_is_sent_alone_and_committed_in_chunks(
     assert committed(consumer, topics["in"]) == {0: 10, 1: 11, 2: 12}
 
 
+def test_a_record_whose_smallest_dead_letter_does_not_fit_ends_the_worker_naming_it(
+    kafka, topics, member
+):
+    """The dead-letter topic takes no more than 100 bytes: no form of the long answer's
+    dead letter fits. Retrying cannot help; the error says what to fix."""
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    limits = {topics["out"]: 4_000, topics["dlq"]: 100}
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", read_limits=lambda _: limits)
+    try:
+        built.attach(metadata_of(consumer))
+        with pytest.raises(TransactionFailed, match=r"^in-\w+\[1\]@1: even its dead letter"):
+            publish(built, batch(topics, [b"s1", b"L" * 6_000]))
+    finally:
+        built.stop()
+    assert read(bootstrap, topics["out"], "read_committed") == []
+    assert committed(consumer, topics["in"]) == {
+        0: OFFSET_INVALID,
+        1: OFFSET_INVALID,
+        2: OFFSET_INVALID,
+    }
+
+
 def test_librdkafka_group_metadata_tells_a_member():
     outside = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "g"})
     try:
