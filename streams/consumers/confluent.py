@@ -367,13 +367,18 @@ class BareConsumer:
         revoked = [(tp.topic, tp.partition) for tp in partitions]
         self._revoked_in_poll.update(revoked)
         self._give_up_held(revoked)
+        if self._closing():
+            # The drain ran out of time and the runners are stopped: nothing more is
+            # written. Waiting would only run past the drain deadline (exit 70) before
+            # the group is left; their next owner answers what is left.
+            timeout_s = 0.0
         deadline = time.monotonic() + timeout_s
         while any(self._unwritten[tp] > 0 for tp in revoked) and time.monotonic() < deadline:
             self._health.turned()  # waiting on acks is not a stuck poll loop
             with contextlib.suppress(queue.Empty):
                 self._calls.get(timeout=0.05)()
         left = sum(max(0, self._unwritten[tp]) for tp in revoked)
-        if left and self._transactions is not None:  # on_fatal set: see the constructor
+        if left and self._transactions is not None and not self._closing():  # on_fatal set
             self._on_fatal(UnfinishedRevoke(left, revoked), [])
         if left:
             log.warning("%d records of revoked partitions not written in time: their "
@@ -422,7 +427,7 @@ class BareConsumer:
         """Poll thread, before `revoked` go: the records the runners hold from them for
         the schema registry are given up (their next owner reads them), so the revoke
         does not wait for the registry; a held partition is resumed before it goes."""
-        if threading.current_thread() is not self._poller:  # the close: drained already
+        if self._closing():  # drained already
             return
         self._run_queued_calls()  # pauses asked for before
         for topic, partition in revoked:
@@ -435,6 +440,11 @@ class BareConsumer:
                 self._forget(given_up.result(timeout=self._revoke_timeout_s))
             except TimeoutError:
                 log.warning("records held for the registry not given up in time")
+
+    def _closing(self) -> bool:
+        """Whether a rebalance callback runs inside the final `close()` (on the loop's
+        thread, the poll thread gone), not inside a poll."""
+        return threading.current_thread() is not self._poller
 
     def _forget(self, handles: list[tuple[str, int, int]]) -> None:
         """Count records given up (unanswered, unacknowledged) as no longer handed over."""

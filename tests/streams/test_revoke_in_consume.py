@@ -35,7 +35,7 @@ def bare_consumer(consume) -> BareConsumer:
     bare._consumer = SimpleNamespace(consume=consume)
     bare._max_chunk, bare._revoked_in_poll = 64, set()
     bare._health = SimpleNamespace(revoked=lambda: None, turned=lambda: None)
-    bare._poller = None  # not this thread: nothing held to give up
+    bare._poller = None  # not this thread: the close (nothing held to give up)
     bare._unwritten, bare._calls, bare._transactions = Counter(), queue.Queue(), None
     return bare
 
@@ -56,3 +56,22 @@ def test_without_a_revoke_everything_fetched_is_handed_over_in_order():
     bare = bare_consumer(lambda _count, _timeout: rest)
     bare._revoked_in_poll.add(("in", 0))  # a revoke of an earlier poll: not this one's
     assert bare._with_what_is_here(first) == [first, *rest]
+
+
+def test_the_close_after_a_drain_ran_out_of_time_leaves_at_once():
+    """The runners are stopped: what they still held is never written. A revoke inside
+    the close waited for it a whole session (6 s), past the 5 s the drain deadline keeps
+    for the close: exit 70 before the group was left. Exactly-once ended the worker."""
+    bare = bare_consumer(consume=None)
+    bare._poller = object()  # the poll thread, gone: this is the close
+    bare._unwritten[("in", 0)] = 3
+
+    def waited(*_args, **_kwargs):
+        raise AssertionError("waited for acknowledgements at the close")
+
+    fatal = []
+    bare._calls = SimpleNamespace(get=waited)
+    bare._transactions, bare._on_fatal = object(), lambda error, _records: fatal.append(error)
+    bare._finish([TopicPartition("in", 0)], 6.0)
+    assert fatal == []
+    assert ("in", 0) not in bare._unwritten
