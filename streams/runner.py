@@ -173,7 +173,7 @@ class PipelineRunner:
             # still await a registry lookup): what follows it is left unacknowledged, as
             # it is, never answered and acknowledged past the record the bug skipped.
             return
-        self.in_flight.add(len(records))
+        submitted, held = len(records), None
         # Decoded at once, except what waits for a schema id: a hop through the decode
         # stage costs a loop iteration per chunk, which the Faust runtime makes milliseconds.
         if self._holds or self._decoder.needs_lookup(records):
@@ -183,6 +183,8 @@ class PipelineRunner:
                 self._submitted.set()
             records = [record for record, _ in changes.ready]
             handles = [handle for _, handle in changes.ready]
+            held = self._holds.held
+        self.in_flight.add(submitted, held)
         if records:
             try:
                 self._put(records, handles)
@@ -193,7 +195,7 @@ class PipelineRunner:
     @property
     def unanswered(self) -> int:
         """Records submitted and not acknowledged, except those waiting for the registry."""
-        return self.in_flight.count - self._holds.held
+        return self.in_flight.count - self.in_flight.held
 
     async def start(self) -> None:
         if not self._tasks:
@@ -245,7 +247,7 @@ class PipelineRunner:
                 ", ".join(f"{topic}[{partition}]" for topic, partition in where),
                 extra=about(self._name),
             )  # fmt: skip
-            await self.in_flight.done(len(changes.ready))
+            await self.in_flight.done(len(changes.ready), self._holds.held)
         return [handle for _, handle in changes.ready]
 
     async def stop(self) -> None:
@@ -271,6 +273,7 @@ class PipelineRunner:
                 holds.looked_up(due, failed)
                 self._lookup_failures.inc(len(failed))
                 changes = holds.release()
+                self.in_flight.set_held(holds.held)
                 self._carry_out(changes)
                 if changes.ready:
                     records = [record for record, _ in changes.ready]

@@ -242,7 +242,8 @@ class BareConsumer:
 
     def _apply_bounds(self) -> None:
         for topic, (high, low) in self._bounds.items():
-            count = self._handed_over[topic]
+            # Records held for the registry pause their own partitions (`streams/holds.py`).
+            count = self._handed_over[topic] - self._runners[topic].in_flight.held
             if topic not in self._paused and count >= high:
                 self._paused.add(topic)
             elif topic in self._paused and count <= low:

@@ -386,6 +386,37 @@ async def test_an_unresolvable_id_stalls_only_its_partition_which_flows_in_order
     assert run.in_flight.count == 0
 
 
+async def test_records_held_for_the_registry_count_against_no_in_flight_bound():
+    """Stalled partitions pause themselves; were their records counted against the bound
+    (4 here), three stalled partitions would pause every partition that flows."""
+    pipeline, acked = FakePipeline(), []
+    decoder = RegistryDecoder(pipeline.changed, known={1})
+    in_flight = InFlight("runner-test", 4, 2)
+    run = PipelineRunner(
+        pipeline, decoder, in_flight,
+        lambda handles: (acked.extend(handles), pipeline.changed.set()),
+        lambda error, records: pytest.fail(f"the worker gave up: {error!r}"),
+        clock=time.monotonic, wall_clock=lambda: 1_800_000_000.0,
+        pause=lambda *args: None, lookup_backoff_s=(0.001, 0.01),
+    )  # fmt: skip
+
+    def submit(chunk: list[InputRecord]) -> None:
+        run.submit(chunk, [(r.partition, r.offset) for r in chunk])
+
+    await run.start()
+    submit(records_of(1, 0, [2, 2]) + records_of(2, 0, [2, 2]) + records_of(3, 0, [2, 2]))
+    await wait_for(pipeline, lambda: decoder.attempts.count(2) >= 2)
+    assert (in_flight.count, in_flight.held, in_flight.paused) == (6, 6, False)
+    submit(records_of(0, 0, [1, 1, 1]))
+    await wait_for(pipeline, lambda: len(acked) == 3)
+    assert not in_flight.paused
+    decoder.down = False  # released: six records in flight, over the bound until answered
+    await wait_for(pipeline, lambda: len(acked) == 9)
+    assert (in_flight.count, in_flight.held, in_flight.paused) == (0, 0, False)
+    await run.drain()
+    await run.stop()
+
+
 async def test_a_stop_gives_up_what_waits_for_the_registry_without_acknowledging_it():
     pipeline, acked = FakePipeline(), []
     decoder = RegistryDecoder(pipeline.changed, known={1})
