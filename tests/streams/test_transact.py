@@ -127,6 +127,20 @@ def publish(built: TransactionalPublisher, outgoing: Outgoing) -> None:
     asyncio.run(asyncio.wait_for(built.publish(outgoing), 60))
 
 
+def publish_at_once(built: TransactionalPublisher, consumer: Consumer, batches: list) -> None:
+    """Hand every batch over at once (the first leads a transaction alone; the others
+    are handed over while it commits), then stop the publisher."""
+
+    async def at_once() -> None:
+        await asyncio.gather(*(built.publish(each) for each in batches))
+
+    try:
+        built.attach(metadata_of(consumer))
+        asyncio.run(asyncio.wait_for(at_once(), 60))
+    finally:
+        built.stop()
+
+
 def read(bootstrap: str, topic: str, isolation_level: str) -> list[Message]:
     """Every record of `topic`, read to the end each partition has now."""
     consumer = Consumer(
@@ -207,15 +221,7 @@ def test_batches_handed_over_while_one_commits_go_together_in_the_next(kafka, to
     built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", make_producer=counting)
     first, second, third = (batch(topics, [b"%d" % (offset + i) for i in range(3)], offset)
                             for offset in (0, 3, 6))  # fmt: skip
-
-    async def three_at_once() -> None:
-        await asyncio.gather(built.publish(first), built.publish(second), built.publish(third))
-
-    try:
-        built.attach(metadata_of(consumer))
-        asyncio.run(asyncio.wait_for(three_at_once(), 60))
-    finally:
-        built.stop()
+    publish_at_once(built, consumer, [first, second, third])
     # The first alone; the two handed over while it committed, together.
     assert len(commits) == 2
     answers = read(bootstrap, topics["out"], "read_committed")
@@ -504,15 +510,7 @@ def test_a_group_refused_whole_is_sent_alone_and_committed_in_chunks(
     values = [[b"0", b"1", b"2"], [b"3", None, b"5"], [b"6", b"7", b"8"], [None, b"10", b"11"]]
     first, *refused = (batch(topics, group_values, 3 * at)
                        for at, group_values in enumerate(values))  # fmt: skip
-
-    async def all_at_once() -> None:
-        await asyncio.gather(*(built.publish(each) for each in (first, *refused)))
-
-    try:
-        built.attach(metadata_of(consumer))
-        asyncio.run(asyncio.wait_for(all_at_once(), 60))
-    finally:
-        built.stop()
+    publish_at_once(built, consumer, [first, *refused])
     # The first alone; the three handed over while it committed, one chunk each.
     assert len(commits) == 4
     answers = read(bootstrap, topics["out"], "read_committed")
