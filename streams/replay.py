@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message
 from confluent_kafka import TopicPartition as KafkaPartition
 
 from infra.kafka_clients import RANGE_READER_SETTINGS, read_range
@@ -178,6 +178,9 @@ class AnsweredBefore:
         """The answered offsets found per partition, and the partitions whose every
         uncommitted input the read reached back to (the lookback bounds it)."""
         first_ms = self._first_timestamps_ms(consumer, windows, deadline)
+        windows = {p: window for p, window in windows.items() if p in first_ms}
+        if not windows:
+            return {}, set()
         since_ms = max(
             min(first_ms.values()) - CLOCK_SKEW_S * 1000,
             (self._clock() - self._lookback_s) * 1000,
@@ -222,17 +225,26 @@ class AnsweredBefore:
     def _first_timestamps_ms(
         consumer: Consumer, windows: dict[Partition, range], deadline: float
     ) -> dict[Partition, int]:
-        """The Kafka timestamp of each partition's first uncommitted input."""
+        """The Kafka timestamp of each partition's first uncommitted input; none for a
+        partition whose window holds no record to read: a topic written in transactions
+        has a marker after its last input (the committed offset points at it), and an
+        upstream transaction still open is not readable yet (nor was it to anyone)."""
         starts = {partition: window.start for partition, window in windows.items()}
         consumer.assign([KafkaPartition(t, p, offset) for (t, p), offset in starts.items()])
         stamps: dict[Partition, int] = {}
-        while len(stamps) < len(starts):
+        ended: set[Partition] = set()
+        while len(stamps) + len(ended) < len(starts):
             if time.monotonic() > deadline:
                 raise TimeoutError("the first uncommitted inputs were not read in time")
             for message in consumer.consume(len(starts), 0.2):
-                where = (message.topic(), message.partition())
-                if message.error() is None and where not in stamps:
+                where, error = (message.topic(), message.partition()), message.error()
+                if where in stamps:
+                    continue
+                if error is None:
                     stamps[where] = message.timestamp()[1]
+                    ended.discard(where)
+                elif error.code() == KafkaError._PARTITION_EOF:
+                    ended.add(where)
         consumer.unassign()
         return stamps
 

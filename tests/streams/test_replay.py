@@ -37,6 +37,20 @@ def write(bootstrap: str, topic: str, partition: int, count: int, written_s_ago:
     assert producer.flush(10) == 0
 
 
+def write_in_a_transaction(bootstrap: str, topic: str, count: int) -> None:
+    """`count` inputs on each of partitions 0 and 1, in one committed transaction: a
+    marker follows the last input of each."""
+    producer = Producer(
+        {**client_settings(bootstrap, "test"), "transactional.id": f"up-{uuid.uuid4().hex}"}
+    )
+    producer.init_transactions(10)
+    producer.begin_transaction()
+    for partition in (0, 1):
+        for i in range(count):
+            producer.produce(topic, b"v%d" % i, partition=partition)
+    producer.commit_transaction(10)
+
+
 def dead_letter_of(bootstrap: str, topics: dict, offset: int) -> None:
     """An outcome naming input `offset` of partition 0, written now."""
     producer = Producer(client_settings(bootstrap, "test"))
@@ -105,4 +119,21 @@ def test_with_no_lookback_inputs_past_the_commit_are_marked_if_the_group_ever_co
     assert found == {
         (topics["input"], 0): Replay(unchecked=range(4, INPUTS)),
         (topics["input"], 1): Replay(),  # nothing was handed over: a first start
+    }
+
+
+@pytest.mark.timeout(60)
+def test_a_partition_committed_up_to_its_transaction_marker_is_checked_as_empty(kafka, topics):
+    """Inputs written in transactions: a partition answered in full has its committed
+    offset on the marker after its last input, where no record can be read. The check
+    waited for one there until its deadline, and then lost what it found for the others."""
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    write_in_a_transaction(bootstrap, topics["input"], INPUTS)
+    commit(bootstrap, group, topics["input"], {0: 2, 1: INPUTS})  # 1: up to its marker
+    for offset in (2, 3):
+        dead_letter_of(bootstrap, topics, offset)
+    found = check(bootstrap, topics, group, lookback_s=120)
+    assert found == {
+        (topics["input"], 0): Replay(answered=frozenset({2, 3})),
+        (topics["input"], 1): Replay(),
     }
