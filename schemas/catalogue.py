@@ -223,6 +223,10 @@ class RegistryCatalogue:
         except SchemaRegistryError as exc:
             if exc.http_status_code == 404:
                 raise SchemaNotFoundError(schema_id, f"the registry at {self.url}") from exc
+            if not _refusal(exc):  # a 5xx: a proxy before a registry that is down
+                raise RegistryUnavailable(
+                    f"registry at {self.url} unavailable for id {schema_id}: {exc}"
+                ) from exc
             raise RegistryError(f"registry at {self.url} failed for id {schema_id}: {exc}") from exc
         except Exception as exc:  # connection errors come from the HTTP client underneath
             raise RegistryUnavailable(

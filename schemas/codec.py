@@ -9,6 +9,7 @@ caller on an event loop do that part on a thread, so that `decode` never blocks.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import struct
 from collections.abc import Iterable
@@ -65,10 +66,8 @@ class AvroDecoder:
         know is remembered as unknown (its records dead-letter); RegistryError (the
         registry unreachable) propagates, for the caller to retry."""
         for schema_id in schema_ids:
-            try:
+            with contextlib.suppress(SchemaNotFoundError):  # remembered by `_writer`
                 self._writer(schema_id)
-            except SchemaNotFoundError as exc:
-                self._unknown[schema_id] = exc
 
     def decode(self, raw: bytes | None) -> dict[str, Any]:
         if raw is None or len(raw) < _HEADER.size:
@@ -115,7 +114,13 @@ class AvroDecoder:
         if known is None:
             if schema_id in self._unknown:
                 raise self._unknown[schema_id]
-            raw = self._catalogue.schema_for_id(schema_id)
+            try:
+                raw = self._catalogue.schema_for_id(schema_id)
+            except SchemaNotFoundError as exc:
+                # Asked once: a reader of many records framed with it (the read-back,
+                # the audit) would otherwise ask the registry again for each.
+                self._unknown[schema_id] = exc
+                raise
             if self._reader is not None and raw == self._reader_raw:
                 known = (self._reader, None)
             else:

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message
 from confluent_kafka import TopicPartition as KafkaPartition
@@ -80,11 +81,24 @@ def input_of_answer(message: Message, decoder: AvroDecoder) -> tuple[str, int, i
         answer = decoder.decode(message.value())
     except DecodeError:
         return None
-    return answer["input_topic"], answer["input_partition"], answer["input_offset"]
+    return input_named(answer)
+
+
+def input_named(answer: Any) -> tuple[str, int, int] | None:
+    """The input a decoded answer names; None for a record that is no headrace answer
+    (another producer's, in a topic it shares)."""
+    if not isinstance(answer, dict):
+        return None
+    topic = answer.get("input_topic")
+    partition, offset = answer.get("input_partition"), answer.get("input_offset")
+    if isinstance(topic, str) and isinstance(partition, int) and isinstance(offset, int):
+        return topic, partition, offset
+    return None
 
 
 def input_of_dead_letter(message: Message) -> tuple[str, int, int] | None:
-    """The input a dead letter names in its headers; None when it names none."""
+    """The input a dead letter names in its headers; None when it names none (or names
+    it in a form no headrace worker writes)."""
     headers = dict(message.headers() or [])
     try:
         return (
@@ -92,7 +106,7 @@ def input_of_dead_letter(message: Message) -> tuple[str, int, int] | None:
             int(headers["headrace.input.partition"]),
             int(headers["headrace.input.offset"]),
         )
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError):
         return None
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import (
     OFFSET_INVALID,
     Consumer,
+    KafkaError,
     KafkaException,
     Message,
     TopicPartition,
@@ -36,7 +37,7 @@ from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError
 from streams.config import HeadraceConfig, PipelineConfig
 from streams.errors import HeadraceError
-from streams.replay import input_of_dead_letter
+from streams.replay import input_named, input_of_dead_letter
 from tools.answers import answer_decoder
 
 STATUSES = ("OK", "DEGRADED", "SHED", "DEAD_LETTER")
@@ -105,7 +106,9 @@ class PipelineAudit:
     @property
     def exact(self) -> bool:
         unaudited = any(p.never_committed for p in self.partitions)
-        return self.missing == 0 and self.duplicated == 0 and not unaudited
+        # An output it cannot read may be a repeat: exactness is not shown then.
+        unread = self.unreadable_outputs > 0
+        return self.missing == 0 and self.duplicated == 0 and not unaudited and not unread
 
     def as_dict(self) -> dict:
         return {
@@ -134,6 +137,12 @@ class PipelineAudit:
         }
 
 
+# Errors of a partition whose leader is moving (or was just created): the audit reads
+# everything again, up to `_ATTEMPTS` times, before it calls Kafka unavailable.
+_LEADER_MOVING = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE})
+_ATTEMPTS = 3
+
+
 def audit(config: HeadraceConfig, timeout_s: float = 120.0) -> list[PipelineAudit]:
     """Audit every pipeline of `config`; blocks while it reads the topics (up to
     `timeout_s`). BrokerUnavailable when Kafka does not answer within the broker's
@@ -149,15 +158,20 @@ def audit(config: HeadraceConfig, timeout_s: float = 120.0) -> list[PipelineAudi
                 )
     decoder = answer_decoder(config)
     clients = _Clients(broker.bootstrap_servers, broker.connect_timeout_s)
-    try:
-        return [
-            _audit_pipeline(clients, config.app_id, spec, decoder, timeout_s)
-            for spec in config.pipelines
-        ]
-    except KafkaException as exc:
-        raise unavailable(
-            broker.bootstrap_servers, f"failed during the audit ({exc.args[0].str()})"
-        ) from exc
+    attempt = 1
+    while True:
+        try:
+            return [
+                _audit_pipeline(clients, config.app_id, spec, decoder, timeout_s)
+                for spec in config.pipelines
+            ]
+        except KafkaException as exc:
+            if exc.args[0].code() not in _LEADER_MOVING or attempt == _ATTEMPTS:
+                raise unavailable(
+                    broker.bootstrap_servers, f"failed during the audit ({exc.args[0].str()})"
+                ) from exc
+            attempt += 1
+            time.sleep(0.5)
 
 
 @dataclass(frozen=True)
@@ -185,9 +199,11 @@ def _audit_pipeline(
         except DecodeError:
             unreadable += 1
             return
-        if answer["input_topic"] == spec.input_topic:
-            where = (answer["input_partition"], answer["input_offset"])
-            answers.setdefault(where, []).append(answer["status"])
+        named = input_named(answer)
+        if named is None:
+            unreadable += 1
+        elif named[0] == spec.input_topic:
+            answers.setdefault(named[1:], []).append(str(answer.get("status")))
 
     def on_dead_letter(message: Message) -> None:
         named = input_of_dead_letter(message)
@@ -312,11 +328,16 @@ def format_report(audits: list[PipelineAudit]) -> str:
                     "app_id the workers' group?)"
                 )
         if found.unreadable_outputs:
-            lines.append(f"  {found.unreadable_outputs} unreadable records in the output topic")
+            lines.append(
+                f"  {found.unreadable_outputs} unreadable records in the output topic: not "
+                "answers this registry can decode, so they may hide repeats (hint: does "
+                "another producer write there, or was the registry reset?)"
+            )
     exact = all(found.exact for found in audits)
     lines.append(
         "every committed input has exactly one outcome"
         if exact
-        else "NOT EXACT: inputs without an outcome, with more than one, or not audited (see above)"
+        else "NOT EXACT: inputs without an outcome, with more than one, or not audited, or "
+        "outputs it cannot read (see above)"
     )
     return "\n".join(lines)

@@ -143,3 +143,21 @@ def test_a_shipped_schema_changed_by_one_caller_is_unchanged_for_the_next():
     assert [f["name"] for f in load_schema("transaction.avsc")["fields"]][:2] == [
         "event_id", "user_id",
     ]  # fmt: skip
+
+
+def test_an_id_the_registry_does_not_know_is_asked_for_once():
+    """A reader of many records framed with such an id (the read-back after a restart,
+    the audit) asked the registry again for each: a round trip per record."""
+    asked = []
+
+    class Registry:
+        def schema_for_id(self, schema_id):
+            asked.append(schema_id)
+            raise SchemaNotFoundError(schema_id, "the registry")
+
+    decoder = AvroDecoder(Registry(), None)
+    framed = struct.pack(">bI", 0, 99) + b"\x00"
+    for _ in range(50):
+        with pytest.raises(SchemaNotFoundError):
+            decoder.decode(framed)
+    assert asked == [99]

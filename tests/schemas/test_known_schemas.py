@@ -93,3 +93,5 @@ def test_a_registry_answering_503_is_down_not_refusing(registry, answering_503, 
         proxied.id_for("proxied-value", {**ANSWER, "name": "NeverMet"})
     with pytest.raises(RegistryUnavailable):
         proxied.latest("proxied-value")
+    with pytest.raises(RegistryUnavailable):  # an id never met, read from the registry
+        proxied.schema_for_id(answer_id + 1000)

@@ -76,3 +76,34 @@ def test_a_group_that_committed_nothing_is_not_called_exact(deploy, kafka):
 def test_an_empty_topic_and_no_commits_is_exact(deploy):
     (found,) = audit(deploy(partitions=1).config)
     assert found.exact
+
+
+def test_records_that_are_no_answers_make_the_audit_unable_to_call_it_exact(deploy, kafka):
+    """Another producer's Avro record in the output topic (it names no input), and a dead
+    letter whose headers name none: counted unreadable, never a traceback; an output the
+    audit cannot read may be a repeat, so it does not say exact."""
+    deployment = deploy(partitions=1)
+    spec = deployment.spec
+    bootstrap = kafka.bootstrap_servers
+    produce_raw(bootstrap, spec.input_topic, [b"i0"])
+    producer = Producer({"bootstrap.servers": bootstrap})
+    letter = [("headrace.input.topic", spec.input_topic.encode()),
+              ("headrace.input.partition", b"0"), ("headrace.input.offset", b"0")]  # fmt: skip
+    producer.produce(spec.dead_letter_topic, b"i0", b"k", headers=letter)
+    foreign = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{spec.output_topic}-value")
+    event = {"event_id": "x", "user_id": "u", "merchant_id": "m", "amount": 1.0,
+             "hour_of_day": 1, "is_online": False, "event_time_ms": 0}  # fmt: skip
+    producer.produce(spec.output_topic, foreign.encode(event), b"k")
+    nameless = [("headrace.input.topic", None), ("headrace.input.partition", b"0")]
+    producer.produce(spec.dead_letter_topic, b"?", b"k", headers=nameless)
+    assert producer.flush(30) == 0
+    group = Consumer({"bootstrap.servers": bootstrap, "group.id": deployment.config.app_id})
+    group.commit(offsets=[TopicPartition(spec.input_topic, 0, 1)], asynchronous=False)
+    group.close()
+
+    (found,) = audit(deployment.config)
+    (partition,) = found.partitions
+    assert (partition.missing, partition.duplicated) == ([], [])
+    assert found.unreadable_outputs == 1
+    assert not found.exact
+    assert "may hide repeats" in format_report([found])
