@@ -443,7 +443,9 @@ class Pipeline:
             latencies.setdefault(route.status, []).append(latency_s)
             if route is Route.FULL:
                 in_budget += now_s <= item.deadline_s
-                if use_cache:
+                # Only the serving model's answers: a cached answer is labelled with the
+                # serving version (not a canary's; not a batch's from before a switch).
+                if use_cache and not item.candidate and prepared.serving is self._cached_for:
                     self._answers.put(item.cache_key, item.answer, 0.0)
         for (status, level, reason), count in groups.items():
             measure.answered(status, level, reason, count)

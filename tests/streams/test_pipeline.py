@@ -195,6 +195,18 @@ def test_an_identical_recent_input_gets_the_cached_answer_then_the_default():
     )  # fmt: skip
 
 
+def test_a_canary_answer_is_never_served_from_the_cache_as_the_serving_version():
+    built, parts = pipeline(default_score=0.05, fallback=False)
+    candidate = Model(FakePool("full", ("amount", *STORE), 0.3, version="2"), FIELDS, STORE)
+    built.use(Serving(built.serving.model, candidate, "canary", 100.0))
+    (first,) = run(built, parts, records([0.010]), FAST)
+    assert (first["status"], first["model_version"]) == ("OK", "2")
+    (late,) = run(built, parts, records([2.0]), FAST)
+    assert (late["status"], late["degraded_by"], late["model_version"]) == (
+        "DEGRADED", "default", "1",
+    )  # fmt: skip
+
+
 def test_priority_comes_from_the_header_then_the_field_then_the_default():
     built, parts = pipeline(priority={"field": "priority"})
     low = [("headrace-priority", b"0")]
