@@ -109,10 +109,7 @@ class Pipeline:
             )
         self._default_answer = None if default is None else output.fixed(default)
         self._shed_answer = output.unanswered()
-        # An identical input: the same entity keys and the same event inputs of the model.
-        self._answer_fields = tuple(
-            dict.fromkeys([*config.entity_fields.values(), *model.event_sources])
-        )
+        self._answer_fields = self._identity_of(model)
         # The feature cache's LRU and age bound serve answers too (value: the answer).
         answers = config.degradation.answer_cache
         self._answers = FeatureCache(answers.max_entries, answers.max_age_s, clock)
@@ -138,6 +135,11 @@ class Pipeline:
             serving.candidate_meter = self._meter(serving.candidate)
         self.serving = serving
 
+    def _identity_of(self, model: Model) -> tuple[str, ...]:
+        """The fields of an input identical for `model`'s answer cache: the entity keys
+        and the event inputs of that model (a version may read other fields)."""
+        return tuple(dict.fromkeys([*self.config.entity_fields.values(), *model.event_sources]))
+
     def _meter(self, model: Model) -> VersionMeter:
         """The meter of `model`'s version, bound once per version."""
         version = model.signature.version
@@ -158,6 +160,7 @@ class Pipeline:
         if serving is not self._cached_for:  # another model answers: forget the old answers
             self._answers.clear()
             self._cached_for = serving
+            self._answer_fields = self._identity_of(serving.model)
         use_cache = self.admission.ladder.answer_cache
         answered_before = redelivered = 0
         for item in items:

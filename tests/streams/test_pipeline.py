@@ -207,6 +207,18 @@ def test_a_canary_answer_is_never_served_from_the_cache_as_the_serving_version()
     )  # fmt: skip
 
 
+def test_after_a_switch_the_cache_tells_inputs_apart_by_the_new_version_s_inputs():
+    built, parts = pipeline(default_score=0.05, fallback=False)
+    hourly = FakePool("full", ("amount", "hour_of_day", *STORE), 0.3, version="2")
+    built.use(Serving(Model(hourly, FIELDS, STORE)))
+    (first,) = run(built, parts, records([0.010], hour_of_day=3), FAST)
+    assert (first["status"], first["model_version"]) == ("OK", "2")
+    (other_hour,) = run(built, parts, records([2.0], hour_of_day=5), FAST)
+    assert (other_hour["status"], other_hour["degraded_by"]) == ("DEGRADED", "default")
+    (same,) = run(built, parts, records([2.0], hour_of_day=3), FAST)
+    assert (same["status"], same["degraded_by"]) == ("DEGRADED", "cache")
+
+
 def test_priority_comes_from_the_header_then_the_field_then_the_default():
     built, parts = pipeline(priority={"field": "priority"})
     low = [("headrace-priority", b"0")]
