@@ -25,6 +25,18 @@ class BreakerState(enum.Enum):
     PROBING = 2
 
 
+class Access(enum.Enum):
+    """`StoreBreaker.allow()`'s answer: false when refused."""
+
+    REFUSED = 0
+    READ = 1
+    PROBE = 2
+    """This read is the probe: it must read the store and report back."""
+
+    def __bool__(self) -> bool:
+        return self is not Access.REFUSED
+
+
 class StoreBreaker:
     def __init__(
         self,
@@ -43,16 +55,23 @@ class StoreBreaker:
         self._failures = 0
         self._opened_at = 0.0
 
-    def allow(self) -> bool:
-        """Whether a read may go to the store now; True at most once per probe while
-        open (that read is the probe, and it must report back)."""
+    def allow(self) -> Access:
+        """Whether a read may go to the store now; `Access.PROBE` at most once per probe
+        while open (that read is the probe, and it must report back, or call
+        `probe_unused`). Only the probe's caller knows it is the probe: reads allowed
+        at the same time are refused."""
         if self.state is BreakerState.CLOSED:
-            return True
+            return Access.READ
         due = self._clock() - self._opened_at >= self.probe_after_s
         if self.state is BreakerState.OPEN and due:
             self._change(BreakerState.PROBING, "probing the store with one read")
-            return True
-        return False
+            return Access.PROBE
+        return Access.REFUSED
+
+    def probe_unused(self) -> None:
+        """The probe's batch needed no read: open again, the next read probes at once."""
+        if self.state is BreakerState.PROBING:
+            self._change(BreakerState.OPEN, "the probe's batch needed no read")
 
     def succeeded(self) -> None:
         self._failures = 0

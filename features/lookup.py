@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from feast.value_type import ValueType
 
 from features import metrics
-from features.breaker import BreakerState, StoreBreaker
+from features.breaker import Access, BreakerState, StoreBreaker
 from features.cache import FeatureCache
 from features.config import FeatureCacheConfig
 from features.errors import FeatureStoreError, StoreUnavailable
-from features.online_read import OnlineViewReader
+from features.online_read import OnlineViewReader, has_null
 from features.whole import WholeView, WholeViews
 
 
@@ -68,6 +69,28 @@ _NO_SETTINGS = FeatureCacheConfig()
 # (SQLite only; see `FeatureLookup._read_at_once`): a few hundred µs of reading at most.
 AT_ONCE_KEYS = 16
 
+
+def _as_str(value: Any) -> Any:
+    if type(value) is str or has_null((value,)):
+        return value
+    return str(value)  # as Feast's conversion to a STRING key
+
+
+def _as_int(value: Any) -> Any:
+    if type(value) is int or has_null((value,)):
+        return value
+    try:
+        return int(value)  # as Feast's conversion to an INT64 key
+    except (TypeError, ValueError, OverflowError):
+        return value  # the store read finds it missing
+
+
+_KEY_AS: dict[ValueType, Callable[[Any], Any]] = {
+    ValueType.STRING: _as_str,
+    ValueType.INT64: _as_int,
+    ValueType.INT32: _as_int,
+}
+
 log = logging.getLogger(__name__)
 
 
@@ -91,6 +114,11 @@ class _View:
         self.key_of: Callable[[Mapping[str, Any]], tuple] = (
             pick if len(fields) > 1 else lambda event: (pick(event),)
         )
+        # A one-field key as the entity's type, as Feast converts it for a store read:
+        # an event's 42 must meet the whole view's "42" (and the reverse).
+        as_entity = _KEY_AS.get(reader.value_types[0]) if len(fields) == 1 else None
+        if as_entity is not None:
+            self.key_of = lambda event: (as_entity(pick(event)),)
         # Bound once: label lookups on the hot path cost more than the increments.
         self.hits = metrics.CACHE_HITS.labels(self.name)
         self.misses = metrics.CACHE_MISSES.labels(self.name)
@@ -156,6 +184,7 @@ class FeatureLookup:
         self._errors = metrics.STORE_FAILURES.labels(feature_service, "error")
         self._timeouts = metrics.STORE_FAILURES.labels(feature_service, "timeout")
         self._down_since: float | None = None
+        self._bug_logged = False
         self.breaker = StoreBreaker(on_change=self._breaker_changed)
 
     async def fetch(
@@ -168,24 +197,32 @@ class FeatureLookup:
 
         The cache is probed here, on the event loop: only the misses go to the store
         thread, so a batch the cache answers costs no thread hand-off."""
-        allowed = self.breaker.allow()
-        # A probe of a store that was down must read it, even what the cache holds.
-        probing = self.breaker.state is BreakerState.PROBING
+        access = self.breaker.allow()
+        # The probe of a store that was down must read it, even what memory holds; the
+        # batches beside it are answered from memory as while it was down.
+        probe = access is Access.PROBE
         now_s = self._clock()
-        parts = [_ViewRead(view, events, now_s, use_cache=not probing) for view in self._views]
+        parts = [_ViewRead(view, events, now_s, use_cache=not probe) for view in self._views]
         reading = [part for part in parts if part.misses]
-        if reading:
-            try:
-                if not allowed:
-                    raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
-                fresh = self._read_at_once(reading)
-                if fresh is None:
-                    fresh = await self._read_store(reading, timeout_s)
-            except StoreUnavailable as exc:
-                exc.in_memory = self._in_memory(parts, len(events))
-                raise
-            for part, rows in zip(reading, fresh, strict=True):
-                part.fill(rows)
+        if not reading:
+            if probe:
+                self.breaker.probe_unused()
+            return self._rows(parts, len(events))
+        try:
+            if not access:
+                raise StoreUnavailable(f"feature service {self.service!r}: the store is down")
+            for part in reading:  # reads made, not those refused
+                part.view.misses.inc(len(part.misses))
+            fresh = self._read_at_once(reading)
+            if fresh is None:
+                fresh = await self._read_store(reading, timeout_s)
+        except StoreUnavailable as exc:
+            if probe:  # a failed probe still answers what memory holds
+                parts = [_ViewRead(view, events, now_s) for view in self._views]
+            exc.in_memory = self._in_memory(parts, len(events))
+            raise
+        for part, rows in zip(reading, fresh, strict=True):
+            part.fill(rows)
         return self._rows(parts, len(events))
 
     def _in_memory(self, parts: list[_ViewRead], count: int) -> InMemory:
@@ -216,7 +253,7 @@ class FeatureLookup:
             return None
         try:
             fresh = [part.read_misses(wait=False) for part in parts]
-        except FeatureStoreError:
+        except Exception:  # locked, failed, or a bug: the store thread's read decides
             return None
         self.breaker.succeeded()  # as a read on the thread: failures count in a row
         return fresh
@@ -235,6 +272,17 @@ class FeatureLookup:
             self._errors.inc()
             self.breaker.failed(str(exc))
             raise StoreUnavailable(f"feature service {self.service!r}: {exc}") from exc
+        except Exception as exc:
+            # A bug below: still a failed read, so that the breaker reports back (never
+            # stuck probing) and the worker answers without the store instead of exiting.
+            if not self._bug_logged:
+                self._bug_logged = True
+                log.exception("feature service %s: unexpected error in a store read (logged "
+                              "once)", self.service)  # fmt: skip
+            self._errors.inc()
+            why = f"unexpected {type(exc).__name__}: {exc}"
+            self.breaker.failed(why)
+            raise StoreUnavailable(f"feature service {self.service!r}: {why}") from exc
         self.breaker.succeeded()
         return fresh
 
@@ -280,6 +328,7 @@ class FeatureLookup:
         parts = [_ViewRead(view, events, now_s) for view in self._views]
         for part in parts:
             if part.misses:
+                part.view.misses.inc(len(part.misses))
                 part.fill(part.read_misses())
         return self._rows(parts, len(events))
 
@@ -329,7 +378,7 @@ class _ViewRead:
         kept: dict[tuple, int] = whole[0].index if whole is not None else {}
         # A whole view that holds every stored entity answers for the absent ones too.
         complete = whole is not None and whole[0].complete
-        slots, rows, absent = [], [], []
+        slots, rows, absent, nulls = [], [], [], []
         for index, key in enumerate(self.keys):
             row = kept.get(key)
             if row is not None:
@@ -341,7 +390,10 @@ class _ViewRead:
                 continue
             cached = view.cache.get(key) if use_cache else None
             if cached is None:
-                self.misses.append(index)
+                if has_null(key):  # absent, as a whole view answers it: never read
+                    nulls.append(index)
+                else:
+                    self.misses.append(index)
                 continue
             self.values[index], self.stamps[index], staleness_s = cached
             stalest_s = max(stalest_s, staleness_s)
@@ -356,9 +408,10 @@ class _ViewRead:
                 self.values[absent] = np.nan
                 self.stamps[absent] = np.nan
             stalest_s = max(stalest_s, staleness_s)
+        if nulls:
+            self.values[nulls] = np.nan
+            self.stamps[nulls] = np.nan
         view.hits.inc(len(self.keys) - len(self.misses))
-        if self.misses:
-            view.misses.inc(len(self.misses))
         view.staleness.observe(stalest_s)
 
     def read_misses(self, wait: bool = True) -> Any:

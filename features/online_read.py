@@ -17,6 +17,8 @@ Other stores go through the provider.
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -34,11 +36,14 @@ from feast.protos.feast.types.EntityKey_pb2 import EntityKey as EntityKeyProto
 from feast.protos.feast.types.Value_pb2 import Value as ValueProto
 from feast.protos.feast.types.Value_pb2 import ValueType as StoredType
 from feast.type_map import python_values_to_proto_values
+from feast.types import Bool, Float32, Float64, Int32, Int64, UnixTimestamp
 from feast.value_type import ValueType
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from features.errors import FeatureStoreError
+
+log = logging.getLogger(__name__)
 
 # A Redis call's socket bound where the connection string sets none (redis-py waits for
 # ever): a store that hangs would hold the read thread, and every read queued behind it.
@@ -47,6 +52,11 @@ REDIS_SOCKET_TIMEOUT_S = 1.0
 # Serialized entity keys kept per reader (see `OnlineViewReader._stored_keys`): about
 # 10 MB at most.
 MAX_KEY_BLOBS = 100_000
+# Stored values read as numbers; any other (text, bytes, lists) reads as missing.
+NUMERIC_KINDS = frozenset(
+    {"double_val", "float_val", "int32_val", "int64_val", "bool_val", "unix_timestamp_val"}
+)
+_NUMERIC_TYPES = (Float32, Float64, Int32, Int64, Bool, UnixTimestamp)
 # A key of each entity type for a warm-up read; whether an entity has it does not matter.
 _PLACEHOLDER_KEYS: dict[ValueType, Any] = {
     ValueType.STRING: "headrace-warm-up",
@@ -103,6 +113,10 @@ class OnlineViewReader:
             self.join_keys, self._value_types, self._key_version, self._entity_keys
         )
         self._blob_of, self._key_of = codec if codec is not None else (None, None)
+        non_numeric = _non_numeric(self.view, self.features)
+        if non_numeric:
+            log.warning("feature view %s: features %s are not numbers; they read as missing",
+                        view_name, non_numeric)  # fmt: skip
 
     @property
     def reads_at_once(self) -> bool:
@@ -112,9 +126,29 @@ class OnlineViewReader:
     def read(self, keys: Sequence[tuple], wait: bool = True) -> ViewRows:
         """Blocking read of `keys` (tuples of join-key values, in `join_keys` order).
         With `wait=False` (`reads_at_once` stores only) a store locked by a writer
-        raises FeatureStoreError at once instead of waiting for the lock."""
+        raises FeatureStoreError at once instead of waiting for the lock. A key holding
+        a null (None, NaN) or a value Feast cannot convert to the entity's type reads
+        as absent, without a read."""
+        usable = [index for index, key in enumerate(keys) if not has_null(key)]
+        wanted = keys if len(usable) == len(keys) else [keys[index] for index in usable]
+        convert = self._stored_keys if self._sqlite is not None else self._entity_keys
+        try:
+            entity_keys = convert(wanted)
+        except Exception:  # some key Feast cannot convert: only that one is missing
+            usable = [index for index in usable if _converts(convert, keys[index])]
+            wanted = [keys[index] for index in usable]
+            entity_keys = convert(wanted)
+        rows = self._read(entity_keys, wait) if wanted else None
+        if len(usable) == len(keys) and rows is not None:
+            return rows
+        values = np.full((len(keys), len(self.features)), np.nan)
+        stamps = np.full(len(keys), np.nan)
+        if rows is not None:
+            values[usable], stamps[usable] = rows.values, rows.event_ts_s
+        return ViewRows(values, stamps)
+
+    def _read(self, entity_keys: list, wait: bool) -> ViewRows:
         sqlite = self._sqlite
-        entity_keys = self._stored_keys(keys) if sqlite is not None else self._entity_keys(keys)
         try:
             if sqlite is not None:
                 return sqlite.read(entity_keys, wait)
@@ -127,22 +161,27 @@ class OnlineViewReader:
             )
         except Exception as exc:
             raise FeatureStoreError(
-                f"online read of view {self.view.name!r} for {len(keys)} keys failed: {exc}"
+                f"online read of view {self.view.name!r} for {len(entity_keys)} keys failed: {exc}"
             ) from exc
-        values = np.full((len(keys), len(self.features)), np.nan)
-        stamps = np.full(len(keys), np.nan)
+        values = np.full((len(entity_keys), len(self.features)), np.nan)
+        stamps = np.full(len(entity_keys), np.nan)
         for row, (event_ts, stored) in enumerate(rows):
             if stored is None:
                 continue
             for column, name in enumerate(self.features):
                 proto = stored.get(name)
                 kind = proto.WhichOneof("val") if proto is not None else None
-                if kind is not None and kind != "null_val":
+                if kind in NUMERIC_KINDS:  # any other value (text, a list) is missing
                     values[row, column] = float(getattr(proto, kind))
             # Redis answers an absent entity with empty values and a zero timestamp.
             if not np.isnan(values[row]).all():
                 stamps[row] = _epoch_s(event_ts)
         return ViewRows(values, stamps)
+
+    @property
+    def value_types(self) -> list[ValueType]:
+        """The entities' value types, in `join_keys` order."""
+        return self._value_types
 
     def read_whole(self, max_entities: int) -> WholeRows | None:
         """Blocking: every entity's row of the view, if it can be kept whole: a SQLite
@@ -285,6 +324,26 @@ def _direct_key_codec(
     return blob_of, key_of
 
 
+def has_null(key: tuple) -> bool:
+    """Whether an entity key holds a null (None, NaN): no entity has it."""
+    return any(value is None or (isinstance(value, float | np.floating) and value != value)
+               for value in key)  # fmt: skip
+
+
+def _converts(convert: Callable[[Sequence[tuple]], list], key: tuple) -> bool:
+    try:
+        convert([key])
+    except Exception:
+        return False
+    return True
+
+
+def _non_numeric(view: Any, features: Sequence[str]) -> list[str]:
+    """The features of `features` whose Feast type is not a number (read as missing)."""
+    types = {field.name: field.dtype for field in view.features}
+    return [name for name in features if name in types and types[name] not in _NUMERIC_TYPES]
+
+
 def _epoch_s(stamp: datetime | None) -> float:
     return float("nan") if stamp is None else stamp.timestamp()
 
@@ -308,6 +367,12 @@ class _SqliteTable:
         self._select = f'SELECT entity_key, feature_name, value, event_ts FROM "{table}"'
         self._columns = {name: column for column, name in enumerate(features)}
         self._connections: dict[bool | str, sqlite3.Connection] = {}
+        # The file (st_dev, st_ino) each connection opened, and the file as last
+        # checked (`version`): a store file replaced (a rebuilt store moved into place)
+        # or deleted would otherwise be read on the old inode for ever.
+        self._opened: dict[bool | str, tuple[int, int] | None] = {}
+        self._file: tuple[int, int] | None = None
+        self._files_seen = 0
 
     def read(self, blobs: Sequence[bytes], wait: bool = True) -> ViewRows:
         """The rows of `blobs` (serialized entity keys); `wait`: for a writer's lock."""
@@ -348,8 +413,22 @@ class _SqliteTable:
 
     def version(self) -> int:
         """SQLite's `data_version` of the store file on the whole read's connection: it
-        changes when any other connection (a materialization, a push) commits."""
-        return self._connect("whole").execute("PRAGMA data_version").fetchone()[0]
+        changes when any other connection (a materialization, a push) commits. A store
+        file replaced since is reopened (every connection, at its next use); a deleted
+        one raises (FileNotFoundError), and reads fail from then on."""
+        try:
+            file = _identity(self._path)
+        except FileNotFoundError:
+            self._file = _GONE
+            raise
+        if file != self._file:
+            if self._file is not None:
+                self._files_seen += 1
+            self._file = file
+        (data_version,) = self._connect("whole").execute("PRAGMA data_version").fetchone()
+        # A new file's connection starts its data_version again: the count of files
+        # seen tells its versions apart.
+        return (self._files_seen << 32) + data_version
 
     def _gather(self, rows: Iterable) -> tuple[dict[bytes, list[float]], dict[bytes, Any]]:
         """Per entity key, its requested values (NaN where null) and its event time."""
@@ -364,7 +443,7 @@ class _SqliteTable:
                 continue
             value = ValueProto.FromString(stored)
             kind = value.WhichOneof("val")
-            if kind is not None and kind != "null_val":
+            if kind in NUMERIC_KINDS:  # any other value (text, a list) is missing
                 row = found.get(blob)
                 if row is None:
                     row = found[blob] = [nan] * width
@@ -379,13 +458,31 @@ class _SqliteTable:
         # second later. Opened on first read: the file may be materialized after the
         # worker starts.
         connections = self._connections
-        if wait not in connections:
-            uri = self._path.resolve().as_uri() + "?mode=ro"
-            timeout_s = {False: 0.0, "whole": 1.0}.get(wait, 5.0)
-            connections[wait] = sqlite3.connect(
-                uri, uri=True, check_same_thread=False, timeout=timeout_s
-            )
-        return connections[wait]
+        connection = connections.get(wait)
+        if connection is not None and self._opened[wait] == self._file:
+            return connection
+        if connection is not None:  # the file was replaced or deleted: open it again
+            del connections[wait]
+            connection.close()  # each connection is used by one thread: this one
+        if self._file == _GONE:
+            raise FileNotFoundError(f"{self._path} was deleted")
+        uri = self._path.resolve().as_uri() + "?mode=ro"
+        timeout_s = {False: 0.0, "whole": 1.0}.get(wait, 5.0)
+        connection = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=timeout_s)
+        opened = _identity(self._path)
+        if self._file is None:
+            self._file = opened
+        self._opened[wait] = opened
+        connections[wait] = connection
+        return connection
+
+
+_GONE = (-1, -1)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino
 
 
 def _stored_epoch_s(event_ts: Any) -> float:

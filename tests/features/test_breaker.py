@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from features.breaker import BreakerState, StoreBreaker
+from features.breaker import Access, BreakerState, StoreBreaker
 
 
 class Clock:
@@ -49,3 +49,17 @@ def test_a_failed_probe_opens_again_and_a_good_one_closes():
     store.succeeded()
     assert store.state is BreakerState.CLOSED and store.allow()
     assert changes[-1] is BreakerState.CLOSED
+
+
+def test_only_the_probe_is_told_it_is_the_probe_and_an_unused_probe_is_handed_back():
+    clock, changes = Clock(), []
+    store = breaker(clock, changes)
+    assert store.allow() is Access.READ
+    store.failed("error")
+    store.failed("error")
+    clock.now = 1.0
+    assert store.allow() is Access.PROBE
+    assert store.allow() is Access.REFUSED  # a batch beside the probe: memory only
+    store.probe_unused()  # the probe's batch needed no read
+    assert store.state is BreakerState.OPEN
+    assert store.allow() is Access.PROBE  # the next read probes at once
