@@ -6,13 +6,14 @@ compaction keeps the latest per pipeline, so a worker that starts later reads th
 state. Records of `control.status_topic` are keyed `<app_id>/<pipeline>/<worker>` and
 hold a `Report` (the heartbeat). Both topics have one partition: one order of changes.
 
-`ControlFollower` is a daemon thread per worker: it reads the control topic from the
-beginning, hands each change of its pipelines' desired state to `apply` (which may
+`ControlFollower` is a daemon thread per worker: it reads the control topic from where
+`catch_up` ended, hands each change of its pipelines' desired state to `apply` (which may
 block while a model loads: nothing on the hot path waits for it), and reports every
 `heartbeat_interval_s`. Between polls it asks `guard` for rollbacks its guardrails
 decided and writes them to the control topic like any deploy: one worker's rollback is
 enough, every worker (itself too) applies it when it reads it back. Every Kafka call
-has a timeout.
+has a timeout. A desired state older than one already seen (by revision) is ignored, and
+a record that does not parse is logged and skipped: neither ends the follower.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Literal
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Literal, TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
@@ -39,6 +40,16 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["canary", "shadow"]
 _COMPACTED = {"cleanup.policy": "compact"}
+T = TypeVar("T")
+
+
+def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` without the keys `cls` does not have (written by a newer CLI, say)."""
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        log.warning("%s: ignoring unknown fields %s", cls.__name__, unknown)
+    return {k: v for k, v in raw.items() if k in names}
 
 
 @dataclass(frozen=True)
@@ -63,16 +74,19 @@ class Desired:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Desired:
-        fields = json.loads(raw)
-        rule = fields.pop("guardrail", None)
-        return cls(**fields, guardrail=Guardrail(**rule) if rule else None)
+        """Raises (ValueError, TypeError, ConfigError...) on a record that is not one."""
+        known = _known(cls, json.loads(raw))
+        rule = known.pop("guardrail", None)
+        return cls(**known, guardrail=Guardrail(**_known(Guardrail, rule)) if rule else None)
 
     def deploy(
         self, version: str, mode: Mode | None, percent: float, guardrail: Guardrail | None = None
     ) -> Desired:
         changed = dict(revision=self.revision + 1, reason="deploy")
         if mode is None:
-            return replace(self, serving=version, previous=self.serving, candidate=None,
+            # The version served again: what a rollback returns to stays the same.
+            previous = self.previous if version == self.serving else self.serving
+            return replace(self, serving=version, previous=previous, candidate=None,
                            mode=None, canary_percent=0.0, guardrail=None, **changed)  # fmt: skip
         return replace(self, candidate=version, mode=mode, canary_percent=percent,
                        guardrail=guardrail, **changed)  # fmt: skip
@@ -117,7 +131,7 @@ class Report:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Report:
-        return cls(**json.loads(raw))
+        return cls(**_known(cls, json.loads(raw)))
 
 
 def worker_name() -> str:
@@ -131,7 +145,7 @@ def ensure_control_topics(config: HeadraceConfig) -> None:
                   _COMPACTED)  # fmt: skip
 
 
-def _consumer(config: HeadraceConfig, topic: str) -> Consumer:
+def _consumer(config: HeadraceConfig, topic: str, offset: int = OFFSET_BEGINNING) -> Consumer:
     broker = config.broker
     consumer = Consumer({
         **client_settings(broker.bootstrap_servers, "control", broker.connect_timeout_s),
@@ -140,20 +154,33 @@ def _consumer(config: HeadraceConfig, topic: str) -> Consumer:
         "enable.auto.commit": False,
         "enable.partition.eof": True,
     })  # fmt: skip
-    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    consumer.assign([TopicPartition(topic, 0, offset)])
     return consumer
 
 
-def read_table(config: HeadraceConfig, topic: str, timeout_s: float = 10.0) -> dict[str, bytes]:
-    """The latest value of each key of this app in a compacted topic, read to its end
-    ({} while the topic does not exist: no worker made it yet)."""
+def _parse(parse: Callable[[bytes], T], topic: str, offset: int, raw: bytes) -> T | None:
+    """`parse(raw)`, or None (logged) when the record is not one: a bad record is skipped."""
+    try:
+        return parse(raw)
+    except Exception as exc:  # whatever its shape: one bad record must not stop the reader
+        log.warning("%s offset %d: record skipped, it does not parse: %s", topic, offset, exc)
+        return None
+
+
+def read_latest(
+    config: HeadraceConfig, topic: str, parse: Callable[[bytes], T], timeout_s: float = 10.0
+) -> tuple[dict[str, T], int]:
+    """The latest value that parses of each key of this app in a compacted topic, read
+    to its end, and the offset after it ({} while the topic does not exist: no worker
+    made it yet). Records that do not parse are logged and skipped."""
     consumer = _consumer(config, topic)
     metadata = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
     if metadata is None or metadata.error is not None:
         consumer.close()
-        return {}
+        return {}, OFFSET_BEGINNING
     prefix = f"{config.app_id}/"
-    table: dict[str, bytes] = {}
+    table: dict[str, T] = {}
+    end = OFFSET_BEGINNING  # nothing read: a follower starting there misses nothing
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -162,24 +189,29 @@ def read_table(config: HeadraceConfig, topic: str, timeout_s: float = 10.0) -> d
                 continue
             if message.error():
                 if message.error().code() == KafkaError._PARTITION_EOF:
-                    return table
+                    return table, end
                 continue
+            end = message.offset() + 1
             key = (message.key() or b"").decode()
-            if key.startswith(prefix):
-                table[key[len(prefix) :]] = message.value()
+            if not key.startswith(prefix):
+                continue
+            if not message.value():  # a tombstone
+                table.pop(key[len(prefix) :], None)
+            elif (value := _parse(parse, topic, message.offset(), message.value())) is not None:
+                table[key[len(prefix) :]] = value
     finally:
         consumer.close()
     raise ConfigError(f"topic {topic!r} could not be read to its end within {timeout_s:g} s")
 
 
 def desired_states(config: HeadraceConfig, timeout_s: float = 10.0) -> dict[str, Desired]:
-    table = read_table(config, config.control.topic, timeout_s)
-    return {name: Desired.from_json(value) for name, value in table.items() if value}
+    return read_latest(config, config.control.topic, Desired.from_json, timeout_s)[0]
 
 
 def worker_reports(config: HeadraceConfig, timeout_s: float = 10.0) -> list[Report]:
-    table = read_table(config, config.control.status_topic, timeout_s)
-    return [Report.from_json(value) for value in table.values() if value]
+    return list(
+        read_latest(config, config.control.status_topic, Report.from_json, timeout_s)[0].values()
+    )
 
 
 def write_desired(config: HeadraceConfig, desired: Desired, timeout_s: float = 10.0) -> None:
@@ -217,6 +249,8 @@ class ControlFollower:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen: dict[str, Desired] = {}
+        self._offset = OFFSET_BEGINNING
+        """Where the follower starts reading: where `catch_up` ended."""
         broker = config.broker
         self._producer = Producer({
             **client_settings(broker.bootstrap_servers, "control", broker.connect_timeout_s),
@@ -225,7 +259,9 @@ class ControlFollower:
 
     def catch_up(self, timeout_s: float = 10.0) -> None:
         """Apply the desired state as it stands now (blocks while versions load)."""
-        for name, desired in desired_states(self._config, timeout_s).items():
+        topic = self._config.control.topic
+        states, self._offset = read_latest(self._config, topic, Desired.from_json, timeout_s)
+        for name, desired in states.items():
             self._follow(name, desired)
 
     def start(self) -> None:
@@ -247,7 +283,7 @@ class ControlFollower:
         self._producer.poll(0)
 
     def _write_rollbacks(self) -> None:
-        rollbacks = self._guard()
+        rollbacks = [desired for desired in self._guard() if self._current(desired)]
         for desired in rollbacks:
             key = f"{self._config.app_id}/{desired.pipeline}"
             self._producer.produce(self._config.control.topic, desired.to_json(), key)
@@ -256,8 +292,25 @@ class ControlFollower:
             log.error("a guardrail's rollback was not written within %g s (still queued)",
                       timeout_s)  # fmt: skip
 
+    def _current(self, rollback: Desired) -> bool:
+        """Whether a guardrail's rollback was built from the latest revision seen: one
+        built from an older one would undo the deploys since."""
+        seen = self._seen.get(rollback.pipeline)
+        if seen is not None and rollback.revision <= seen.revision:
+            log.warning(
+                "pipeline %s: a rollback of revision %d not written, revision %d is newer",
+                rollback.pipeline, rollback.revision - 1, seen.revision,
+            )  # fmt: skip
+            return False
+        return True
+
     def _follow(self, name: str, desired: Desired) -> None:
-        if name not in self._pipelines or self._seen.get(name) == desired:
+        if name not in self._pipelines:
+            return
+        seen = self._seen.get(name)
+        # Older revisions are history, not changes. The same revision written twice (two
+        # writers at once) is followed when it differs: compaction keeps the later one.
+        if seen is not None and (desired.revision < seen.revision or desired == seen):
             return
         self._seen[name] = desired
         try:
@@ -267,7 +320,8 @@ class ControlFollower:
         self.heartbeat()  # report a change at once
 
     def _run(self) -> None:
-        consumer = _consumer(self._config, self._config.control.topic)
+        topic = self._config.control.topic
+        consumer = _consumer(self._config, topic, self._offset)
         prefix = f"{self._config.app_id}/"
         interval_s = self._config.control.heartbeat_interval_s
         next_beat = 0.0
@@ -281,8 +335,11 @@ class ControlFollower:
                 if message is None or message.error():
                     continue
                 key = (message.key() or b"").decode()
-                if key.startswith(prefix) and message.value():
-                    self._follow(key[len(prefix) :], Desired.from_json(message.value()))
+                if not key.startswith(prefix) or not message.value():
+                    continue
+                desired = _parse(Desired.from_json, topic, message.offset(), message.value())
+                if desired is not None:
+                    self._follow(key[len(prefix) :], desired)
         except Exception:
             log.exception("the model control follower stopped; deployments are not followed")
         finally:

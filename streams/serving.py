@@ -36,7 +36,9 @@ class Serving:
         self.model = model
         self.candidate = candidate
         self.mode = mode if candidate is not None else None
-        self.canary_buckets = round(canary_percent * _BUCKETS / 100) if mode == "canary" else 0
+        # No candidate (refused): no canary share, so it equals a Serving without one.
+        canary = self.mode == "canary"
+        self.canary_buckets = round(canary_percent * _BUCKETS / 100) if canary else 0
         self.in_use = 0
         """Batches prepared with it and not yet done (read from another thread)."""
         self.meter: VersionMeter | None = None
@@ -54,12 +56,13 @@ class Serving:
     def split(self, items: Sequence[Item]) -> tuple[list[Item], list[Item]]:
         """(the serving model's items, the canary's): a key is on the canary side when
         its CRC-32 falls in the canary's share of buckets, so one entity always lands on
-        the same side (keyless records count as the empty key)."""
+        the same side. Keyless records go to the serving model: as one key they would
+        all land on one side, whatever the share."""
         buckets = self.canary_buckets
         serving, canary = [], []
         for item in items:
-            key = item.record.key or b""
-            (canary if zlib.crc32(key) % _BUCKETS < buckets else serving).append(item)
+            key = item.record.key
+            (canary if key and zlib.crc32(key) % _BUCKETS < buckets else serving).append(item)
         return serving, canary
 
     def models(self) -> list[Model]:

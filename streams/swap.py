@@ -114,12 +114,15 @@ class ModelSwitcher:
         """The loaded, validated, warm model of `version`; None when it is refused."""
         try:
             model = self._load(slot, version)
-        except HeadraceError as exc:
-            slot.refused[str(version)] = str(exc)
+        except Exception as exc:  # an OSError (registry, full disk) refuses it too
+            expected = isinstance(exc, HeadraceError)
+            why = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+            slot.refused[str(version)] = why
             metrics.MODEL_CHANGES.labels(slot.pipeline.config.name, "refused").inc()
             log.error(
                 "pipeline %s: version %s refused, serving %s: %s",
-                slot.pipeline.config.name, version, _describe(slot.pipeline.serving), exc,
+                slot.pipeline.config.name, version, _describe(slot.pipeline.serving), why,
+                exc_info=not expected,
             )  # fmt: skip
             return None
         slot.refused.pop(str(version), None)  # it loads now (e.g. the registry was mended)

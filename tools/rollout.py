@@ -34,8 +34,10 @@ def deploy(
         raise ConfigError(f"--canary takes a percentage in (0, 100), got {canary_percent:g}")
     if guardrail is not None and mode is None:
         raise ConfigError("a guardrail watches a candidate; hint: add --canary PCT or --shadow")
-    resolve_model(with_version(spec.model, version))
-    desired = current(config, spec).deploy(version, mode, canary_percent, guardrail)
+    # An alias is written as the version it names now: workers already serving would
+    # not see the alias move, workers started later would.
+    resolved = resolve_model(with_version(spec.model, version)).version or version
+    desired = current(config, spec).deploy(resolved, mode, canary_percent, guardrail)
     write_desired(config, desired)
     return desired
 

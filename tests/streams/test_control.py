@@ -1,0 +1,190 @@
+"""The control follower against a fake one-partition control topic: where a restarted
+worker starts, which desired states it applies, and records that do not parse."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, KafkaError
+
+from streams import control
+from streams.config import HeadraceConfig
+from streams.control import ControlFollower, Desired, desired_states
+from streams.guardrail import Guardrail
+from tests.helpers import wait_until
+from tools.deploy import sample_config
+
+CONFIG = HeadraceConfig.model_validate(sample_config("k:9092", Path("repo"), Path("m.onnx")))
+KEY = f"{CONFIG.app_id}/fraud".encode()
+TOPIC = CONFIG.control.topic
+
+
+class Message:
+    def __init__(self, offset: int, key: bytes | None, value: bytes | None, error=None) -> None:
+        self._offset, self._key, self._value, self._error = offset, key, value, error
+
+    def key(self):
+        return self._key
+
+    def value(self):
+        return self._value
+
+    def offset(self):
+        return self._offset
+
+    def error(self):
+        return self._error
+
+
+class Topic:
+    """The control topic: one partition, records appended by the test or the producer."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[bytes, bytes]] = []
+        self.changed = threading.Condition()
+
+    def append(self, value: bytes, key: bytes = KEY) -> None:
+        with self.changed:
+            self.records.append((key, value))
+            self.changed.notify_all()
+
+
+class FakeConsumer:
+    def __init__(self, topic: Topic) -> None:
+        self.topic = topic
+        self.position = 0
+        self.at_end = False
+
+    def assign(self, partitions) -> None:
+        [partition] = partitions
+        self.position = 0 if partition.offset == OFFSET_BEGINNING else partition.offset
+        self.topic.starts.append(self.position)
+
+    def list_topics(self, name, timeout=None):
+        class Metadata:
+            topics = {name: type("TopicMetadata", (), {"error": None})()}
+
+        return Metadata()
+
+    def poll(self, timeout: float):
+        with self.topic.changed:
+            if self.position >= len(self.topic.records) and self.at_end:
+                self.topic.changed.wait(timeout)  # as a consumer waits on its broker
+            if self.position < len(self.topic.records):
+                key, value = self.topic.records[self.position]
+                self.position += 1
+                self.at_end = False
+                return Message(self.position - 1, key, value)
+            if not self.at_end:
+                self.at_end = True
+                return Message(self.position, None, None, KafkaError(KafkaError._PARTITION_EOF))
+            return None
+
+    def close(self) -> None:
+        pass
+
+
+class FakeProducer:
+    def __init__(self, topic: Topic) -> None:
+        self.topic = topic
+
+    def produce(self, topic, value, key=None, **_) -> None:
+        if topic == TOPIC:
+            self.topic.append(value, key.encode() if isinstance(key, str) else key)
+
+    def poll(self, _timeout) -> int:
+        return 0
+
+    def flush(self, _timeout=None) -> int:
+        return 0
+
+
+@pytest.fixture
+def topic(monkeypatch) -> Topic:
+    found = Topic()
+    found.starts = []  # where each consumer was assigned
+    monkeypatch.setattr(control, "Consumer", lambda _settings: FakeConsumer(found))
+    monkeypatch.setattr(control, "Producer", lambda _settings: FakeProducer(found))
+    return found
+
+
+class Follower:
+    """A ControlFollower of pipeline fraud that records what it applies."""
+
+    def __init__(self, guard=list) -> None:
+        self.applied: list[Desired] = []
+        self.follower = ControlFollower(CONFIG, ["fraud"], self.applied.append, list, guard)
+
+    def __enter__(self) -> Follower:
+        self.follower.catch_up()
+        self.follower.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.follower.stop()
+
+    def revisions(self) -> list[int]:
+        return [desired.revision for desired in self.applied]
+
+
+def history() -> list[Desired]:
+    """Revisions 1 (serve v2), 2 (a guarded canary v3), 3 (its rollback), 4 (serve v4)."""
+    first = Desired("fraud").deploy("2", None, 0)
+    canary = first.deploy("3", "canary", 10, Guardrail(max_p99_increase_ms=20))
+    rolled_back = canary.rollback("guardrail: latency")
+    return [first, canary, rolled_back, rolled_back.deploy("4", None, 0)]
+
+
+def test_a_restarted_worker_applies_the_latest_state_once_not_the_history_before_it(topic):
+    for desired in history():
+        topic.append(desired.to_json())
+    latest = history()[-1]
+    with Follower() as worker:
+        assert worker.revisions() == [4]  # caught up
+        # A stale record (an old worker's late write) then a deploy: only the deploy.
+        topic.append(history()[1].to_json())
+        topic.append(latest.deploy("5", None, 0).to_json())
+        assert wait_until(lambda: worker.revisions()[-1:] == [5], 10), worker.revisions()
+    assert worker.revisions() == [4, 5]
+    assert topic.starts[-1] == 4  # the follower went on where catch-up ended
+
+
+def test_a_guardrail_rollback_of_an_older_revision_is_not_written(topic):
+    for desired in history():
+        topic.append(desired.to_json())
+    canary = history()[-1].deploy("5", "canary", 10, Guardrail(max_p99_increase_ms=20))
+    topic.append(canary.to_json())
+    decided = iter([[history()[1].rollback("guardrail: stale")], [canary.rollback("guardrail")]])
+    with Follower(lambda: next(decided, [])) as worker:
+        assert wait_until(lambda: worker.revisions()[-1:] == [6], 10), worker.revisions()
+    written = [Desired.from_json(value) for _, value in topic.records[5:]]
+    assert [(d.revision, d.reason) for d in written] == [(6, "guardrail")]
+
+
+def test_records_that_do_not_parse_are_skipped_and_the_follower_goes_on(topic, caplog):
+    first, canary, *_ = history()
+    newer_cli = json.dumps({**json.loads(canary.to_json()), "min_version": 2}).encode()
+    zero_window = json.loads(canary.deploy("3", "canary", 10).to_json())
+    zero_window["revision"] = 3
+    zero_window["guardrail"] = {"window_s": 0, "max_p99_increase_ms": 20}
+    topic.append(first.to_json())
+    topic.append(b"not json")
+    topic.append(newer_cli)  # an unknown field: ignored, the rest applies
+    topic.append(json.dumps(zero_window).encode())  # an invalid guardrail: skipped
+    with caplog.at_level(logging.WARNING, "streams.control"):
+        # The operator's view: the latest state that parses, so a deploy builds on it.
+        assert desired_states(CONFIG)["fraud"] == canary
+        with Follower() as worker:
+            assert worker.applied == [canary]
+            topic.append(b"\xff")
+            topic.append(canary.rollback().to_json())
+            assert wait_until(lambda: worker.revisions()[-1:] == [3], 10), worker.revisions()
+            assert worker.follower._thread.is_alive()
+    skipped = [r.getMessage() for r in caplog.records if "record skipped" in r.getMessage()]
+    assert any(f"{TOPIC} offset 1:" in line for line in skipped), skipped
+    assert any(f"{TOPIC} offset 3:" in line and "window_s" in line for line in skipped), skipped
+    assert any(f"{TOPIC} offset 4:" in line for line in skipped), skipped
