@@ -19,6 +19,14 @@ pytestmark = pytest.mark.integration
 TIMINGS = {"batch_size": 1, "decode_us": 0, "features_us": 0, "inference_us": 0}
 
 
+def commit_as_the_workers(deployment, bootstrap: str, offset: int) -> None:
+    """Commit partition 0 of the input topic up to `offset`, as the workers' group."""
+    group = Consumer({"bootstrap.servers": bootstrap, "group.id": deployment.config.app_id})
+    group.commit(offsets=[TopicPartition(deployment.spec.input_topic, 0, offset)],
+                 asynchronous=False)  # fmt: skip
+    group.close()
+
+
 def test_audit_reports_inputs_without_an_outcome_and_with_several(deploy, kafka):
     deployment = deploy(partitions=1)
     spec = deployment.spec
@@ -45,9 +53,7 @@ def test_audit_reports_inputs_without_an_outcome_and_with_several(deploy, kafka)
     # Offset 2 has no outcome; offset 4 is answered but not committed (still in flight).
     answer(4)
     assert producer.flush(30) == 0
-    group = Consumer({"bootstrap.servers": bootstrap, "group.id": deployment.config.app_id})
-    group.commit(offsets=[TopicPartition(spec.input_topic, 0, 4)], asynchronous=False)
-    group.close()
+    commit_as_the_workers(deployment, bootstrap, 4)
 
     (found,) = audit(deployment.config)
     (partition,) = found.partitions
@@ -97,9 +103,7 @@ def test_records_that_are_no_answers_make_the_audit_unable_to_call_it_exact(depl
     nameless = [("headrace.input.topic", None), ("headrace.input.partition", b"0")]
     producer.produce(spec.dead_letter_topic, b"?", b"k", headers=nameless)
     assert producer.flush(30) == 0
-    group = Consumer({"bootstrap.servers": bootstrap, "group.id": deployment.config.app_id})
-    group.commit(offsets=[TopicPartition(spec.input_topic, 0, 1)], asynchronous=False)
-    group.close()
+    commit_as_the_workers(deployment, bootstrap, 1)
 
     (found,) = audit(deployment.config)
     (partition,) = found.partitions
