@@ -135,7 +135,8 @@ class KnownSchemas:
     """Ids and schemas a registry gave, kept in a JSON file: `{"ids": {id: schema},
     "subjects": {subject: {schema text: id}}}`. Written whole and renamed into place;
     workers sharing the file merge what they learned, and a lost race loses nothing
-    the registry cannot answer again. No file (None): memory only."""
+    the registry cannot answer again. The registry's own answers come first: the file
+    stands in only while it cannot answer. No file (None): memory only."""
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
@@ -213,14 +214,17 @@ class RegistryCatalogue:
         self._known = KnownSchemas(known_schemas_file)
 
     def schema_for_id(self, schema_id: int) -> dict[str, Any]:
-        known = self._known.ids.get(schema_id)
-        if known is not None:
-            return known
+        """The registry's schema for `schema_id`; the one kept from before only when the
+        registry cannot say (down, or it lost the id): the registry is the truth, and a
+        registry started afresh at the same address hands ids out again."""
         from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+        known = self._known.ids.get(schema_id)
         try:
             schema = self._client.get_schema(schema_id)
         except SchemaRegistryError as exc:
+            if known is not None and (exc.http_status_code == 404 or not _refusal(exc)):
+                return self._kept(schema_id, known, exc)
             if exc.http_status_code == 404:
                 raise SchemaNotFoundError(schema_id, f"the registry at {self.url}") from exc
             if not _refusal(exc):  # a 5xx: a proxy before a registry that is down
@@ -229,12 +233,19 @@ class RegistryCatalogue:
                 ) from exc
             raise RegistryError(f"registry at {self.url} failed for id {schema_id}: {exc}") from exc
         except Exception as exc:  # connection errors come from the HTTP client underneath
+            if known is not None:
+                return self._kept(schema_id, known, exc)
             raise RegistryUnavailable(
                 f"registry at {self.url} unreachable ({_reason(exc)})"
             ) from exc
         raw = json.loads(schema.schema_str)
         self._known.remember_id(schema_id, raw)
         return raw
+
+    def _kept(self, schema_id: int, schema: dict[str, Any], exc: Exception) -> dict[str, Any]:
+        log.warning("registry at %s cannot give id %d (%s); using the schema kept for it "
+                    "before", self.url, schema_id, _reason(exc))  # fmt: skip
+        return schema
 
     def id_for(self, subject: str, schema: dict[str, Any]) -> int:
         from confluent_kafka.schema_registry import Schema

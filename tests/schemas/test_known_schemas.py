@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -95,3 +96,16 @@ def test_a_registry_answering_503_is_down_not_refusing(registry, answering_503, 
         proxied.latest("proxied-value")
     with pytest.raises(RegistryUnavailable):  # an id never met, read from the registry
         proxied.schema_for_id(answer_id + 1000)
+
+
+def test_the_registry_s_answer_comes_before_the_file_s(registry, tmp_path):
+    """A registry started afresh at the same address hands its ids out again: the file
+    kept from before may name another schema for an id, and must not decode with it
+    while the registry can answer."""
+    known = tmp_path / "known-schemas.json"
+    event_id = RegistryCatalogue(registry.url, 5.0, None).id_for("fresh-events-value", EVENT)
+    stale = {**EVENT, "name": "FromAnOldRegistry"}
+    known.write_text(json.dumps({"ids": {str(event_id): stale}, "subjects": {}}))
+    assert RegistryCatalogue(registry.url, 5.0, known).schema_for_id(event_id) == EVENT
+    down = RegistryCatalogue(f"http://127.0.0.1:{free_port()}/apis/ccompat/v7", 2.0, known)
+    assert down.schema_for_id(event_id) == EVENT  # learned from the registry, kept
