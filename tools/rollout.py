@@ -100,14 +100,20 @@ def applied(
     """Waits (at most `timeout_s`) until every live worker of the pipeline acted on
     `desired`: switched to it, or refused what it names."""
     deadline = time.monotonic() + timeout_s
+    # Live when the wait began: each must act on it. A worker loading a large version
+    # sends no heartbeat meanwhile, so falling silent does not excuse it.
+    expected: set[str] | None = None
     while True:
-        live = [r for r in worker_reports(config) if r.pipeline == spec.name and _live(config, r)]
-        done = [r for r in live if r.revision >= desired.revision]
-        if (live and len(done) == len(live)) or time.monotonic() >= deadline:
+        reports = [r for r in worker_reports(config) if r.pipeline == spec.name]
+        if expected is None:
+            expected = {r.worker for r in reports if _live(config, r)}
+        waited = [r for r in reports if r.worker in expected or _live(config, r)]
+        done = [r for r in waited if r.revision >= desired.revision]
+        if (waited and len(done) == len(waited)) or time.monotonic() >= deadline:
             named = {v for v in (desired.serving, desired.candidate) if v is not None}
             refused = {r.worker: {v: r.refused[v] for v in named if v in r.refused} for r in done}
             return Applied(
-                done, len(live) - len(done), {w: why for w, why in refused.items() if why}
+                done, len(waited) - len(done), {w: why for w, why in refused.items() if why}
             )
         time.sleep(_POLL_S)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from models.registry import FolderRegistry
 from streams.config import HeadraceConfig
+from streams.control import Desired, Report
 from tools import rollout
 from tools.deploy import sample_config
 
@@ -30,3 +32,26 @@ def test_deploying_an_alias_writes_the_version_it_names_now(tmp_path, monkeypatc
     assert desired.serving == "2" and [d.serving for d in written] == ["2"]
     registry.set_alias("fraud-mlp", "champion", "3")
     assert rollout.deploy(config, config.pipelines[0], "@champion", "canary", 5).candidate == "3"
+
+
+def test_a_worker_silent_while_it_loads_the_version_is_still_waited_for(monkeypatch):
+    """Worker b loads the new version and sends no heartbeat meanwhile: a wait that
+    dropped it as gone reported the deploy applied while b served the old version."""
+    config = HeadraceConfig.model_validate(sample_config("k:9092", Path("repo"), Path("m.onnx")))
+    spec = config.pipelines[0]
+    now_ms = int(time.time() * 1000)
+    silent_ms = now_ms - 60_000
+    polls = [
+        [Report("a", spec.name, "1", revision=6, sent_ms=now_ms),
+         Report("b", spec.name, "1", revision=6, sent_ms=now_ms)],
+        [Report("a", spec.name, "2", revision=7, sent_ms=now_ms),
+         Report("b", spec.name, "1", revision=6, sent_ms=silent_ms)],
+    ]  # fmt: skip
+    # The first poll as the wait begins, the second from then on.
+    monkeypatch.setattr(
+        rollout, "worker_reports", lambda _config: polls.pop(0) if len(polls) > 1 else polls[0]
+    )
+    monkeypatch.setattr(rollout, "_POLL_S", 0.0)
+    desired = Desired(spec.name, "2", revision=7)
+    found = rollout.applied(config, spec, desired, timeout_s=0.05)
+    assert ([r.worker for r in found.reports], found.pending) == (["a"], 1)
