@@ -39,7 +39,6 @@ class EventDecoder:
         rules: EventRules,
         tickets: Tickets,
         measure: metrics.PipelineMetrics,
-        clock: Callable[[], float] = time.time,
         tracing: Tracing | NoTracing = NO_TRACING,
     ) -> None:
         self._codec = codec
@@ -47,7 +46,6 @@ class EventDecoder:
         self._rules = rules
         self._tickets = tickets
         self._metrics = measure
-        self._clock = clock
 
     def needs_lookup(self, records: Sequence[InputRecord]) -> bool:
         """Whether decoding `records` would first ask the registry (an id not seen yet)."""
@@ -102,11 +100,6 @@ class EventDecoder:
     def decode_known(self, records: Sequence[InputRecord], handles: Sequence[Any]) -> list[Item]:
         """`decode` for records whose schema ids are all resolved: never blocks."""
         started = time.perf_counter()
-        now_s = self._clock()
-        metrics.observe_many(
-            self._metrics.admission_lag,
-            [max(0.0, now_s - r.timestamp_ms / 1000) for r in records],
-        )
         decode, check, tickets = self._codec.decode, self._rules.check, self._tickets
         items = []
         for record, handle in zip(records, handles, strict=True):

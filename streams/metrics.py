@@ -6,7 +6,9 @@ reasons from fixed sets in the code.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Callable, Sequence
@@ -237,6 +239,16 @@ class PipelineMetrics:
         self._child(ANSWERED_IN_BUDGET)
         for role, (name, version) in models.items():
             self._child(MODEL_INFO, role, name, version).set(1)
+
+    def switched(self, role: str, old: tuple[str, str], new: tuple[str, str]) -> None:
+        """`role`'s model is now `new` (name, version): its info series replaces `old`'s."""
+        if old == new:
+            return
+        self._children.pop((MODEL_INFO, role, *old), None)
+        with contextlib.suppress(KeyError), warnings.catch_warnings():  # KeyError: never
+            warnings.simplefilter("ignore")  # exported; Feast's import set the multiprocess
+            MODEL_INFO.remove(self.pipeline, role, *old)  # variable: this is one process
+        self._child(MODEL_INFO, role, *new).set(1)
 
     def missing_features(self, view: str) -> Counter:
         return self._child(MISSING_FEATURES, view)

@@ -88,9 +88,10 @@ class Pipeline:
         self._tracing = tracing
         self.admission = admission
         self._meters: dict[str, VersionMeter] = {}
-        self.use(Serving(model))
-        self.fallback = fallback
         self.metrics = measure
+        self.serving = Serving(model)
+        self.use(self.serving)
+        self.fallback = fallback
         self._lookup = lookup
         self._encoder = encoder
         self._publisher = publisher
@@ -133,6 +134,8 @@ class Pipeline:
         serving.meter = self._meter(serving.model)
         if serving.candidate is not None:
             serving.candidate_meter = self._meter(serving.candidate)
+        before, after = self.serving.model.signature, serving.model.signature
+        self.metrics.switched("full", (before.name, before.version), (after.name, after.version))
         self.serving = serving
 
     def _identity_of(self, model: Model) -> tuple[str, ...]:
@@ -155,6 +158,11 @@ class Pipeline:
         """A released batch: every decoded event starts on the full path, for the
         runner's admission (`route`) to decide."""
         prepared = Prepared(items, trace=self._tracing.batch(items), outcome_items=items)
+        now_s = self._clock()  # Kafka timestamp to admission: Kafka, consumer, batcher
+        metrics.observe_many(
+            self.metrics.admission_lag,
+            [max(0.0, now_s - item.record.timestamp_ms / 1000) for item in items],
+        )
         serving = prepared.serving = self.serving
         serving.in_use += 1
         if serving is not self._cached_for:  # another model answers: forget the old answers
