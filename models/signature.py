@@ -328,6 +328,18 @@ def _input_problems(
     return problems
 
 
+def batch_problems(model_name: str, graph: Sequence[GraphPort], max_batch_size: int) -> list[str]:
+    """Inputs whose batch dimension is fixed below `max_batch_size`: ONNX Runtime refuses
+    any other row count (the worker's warm-up would fail on the first larger batch)."""
+    return [
+        f"model {model_name}: input {port.name!r} has a fixed batch dimension of "
+        f"{port.shape[0]}, but max_batch_size is {max_batch_size}; hint: export the model "
+        f"with a dynamic batch axis, or set max_batch_size to {port.shape[0]}"
+        for port in graph
+        if port.shape and isinstance(port.shape[0], int) and port.shape[0] < max_batch_size
+    ]
+
+
 def _default_problems(inputs: Sequence[TensorInput]) -> list[str]:
     fits = {
         "float32": lambda v: isinstance(v, int | float) and not isinstance(v, bool),

@@ -25,7 +25,7 @@ from models.config import ModelConfig
 from models.pool import SessionPool, warmup_sizes
 from models.registry import resolve_model
 from models.session import load_session, signature_of
-from models.signature import Signature
+from models.signature import GraphPort, Signature, batch_problems
 from schemas.catalogue import LocalCatalogue, SchemaCatalogue, open_catalogue, read_schema_file
 from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import HeadraceError
@@ -163,12 +163,13 @@ def inspect_pipeline(
             resources.callback(found.lookup.close)
     found.model = attempt(lambda: resolve_model(spec.model))
     if found.model is not None:
-        found.signature = attempt(lambda: signature_of(found.model, load_session(found.model)))
+        found.signature = attempt(lambda: _checked_signature(spec, found.model, found.problems))
     if spec.degradation.fallback_model is not None:
         found.fallback_model = attempt(lambda: resolve_model(spec.degradation.fallback_model))
     fallback = found.fallback_model
     if fallback is not None:
-        found.fallback = attempt(lambda: signature_of(fallback, load_session(fallback)))
+        found.fallback = attempt(lambda: _checked_signature(spec, fallback, found.problems))
+    found.problems += _task_problems(spec, found.signature, found.fallback)
     for signature in (found.signature, found.fallback):
         if signature is not None and found.schema is not None:
             found.problems += signature.source_problems(found.fields, found.feature_refs)
@@ -187,6 +188,37 @@ def inspect_pipeline(
         answers = attempt(lambda: derived_schema(spec, found.schema, task))
         found.answers = answers if found.signature else None
     return found
+
+
+def _checked_signature(spec: PipelineConfig, model: ModelConfig, problems: list[str]) -> Signature:
+    """The model's signature; and, into `problems`, a batch size its graph cannot take."""
+    session = load_session(model)
+    signature = signature_of(model, session)
+    graph = [GraphPort(p.name, p.type, tuple(p.shape)) for p in session.get_inputs()]
+    problems += batch_problems(signature.name, graph, spec.max_batch_size)
+    return signature
+
+
+def _task_problems(
+    spec: PipelineConfig, model: Signature | None, fallback: Signature | None
+) -> list[str]:
+    """What `Pipeline` refuses at construction, found here too so that `check` says it.
+    Keep the messages the same as there."""
+    if model is None:
+        return []
+    task = model.output.task
+    problems = []
+    if fallback is not None and fallback.output.task != task:
+        problems.append(
+            f"pipeline {spec.name}: the fallback model answers a "
+            f"{fallback.output.task} task, the model a {task} one"
+        )
+    if spec.degradation.default_score is not None and task == "multiclass":
+        problems.append(
+            f"pipeline {spec.name}: degradation.default_score does not apply to a "
+            "multiclass model; leave it unset (events no rung answers are shed)"
+        )
+    return problems
 
 
 @dataclass

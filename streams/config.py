@@ -320,9 +320,14 @@ def parse_config(data: object, source: str, base_dir: Path | None = None) -> Hea
 
 def load_config(path: Path) -> HeadraceConfig:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "hint: save the config as UTF-8"
+        ) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     return parse_config(data, str(path), path.resolve().parent)

@@ -138,11 +138,12 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def ensure_control_topics(config: HeadraceConfig) -> None:
+def ensure_control_topics(config: HeadraceConfig) -> list[str]:
+    """Create the control topics that do not exist yet; return the names created."""
     control = config.control
     wanted = {control.topic: 1, control.status_topic: 1}
-    ensure_topics(config.broker.bootstrap_servers, wanted, config.broker.connect_timeout_s,
-                  _COMPACTED)  # fmt: skip
+    broker = config.broker
+    return ensure_topics(broker.bootstrap_servers, wanted, broker.connect_timeout_s, _COMPACTED)
 
 
 def _consumer(config: HeadraceConfig, topic: str, offset: int = OFFSET_BEGINNING) -> Consumer:
@@ -215,6 +216,10 @@ def worker_reports(config: HeadraceConfig, timeout_s: float = 10.0) -> list[Repo
 
 
 def write_desired(config: HeadraceConfig, desired: Desired, timeout_s: float = 10.0) -> None:
+    """Write `desired` to the control topic, creating the control topics first: a deploy
+    may come before any worker made them, and a broker without topic auto-creation would
+    hold the record until the write timed out."""
+    ensure_control_topics(config)
     _write(config, config.control.topic, f"{desired.pipeline}", desired.to_json(), timeout_s)
 
 

@@ -164,8 +164,11 @@ def topics_create(config_path: Path, partitions: int) -> None:
     config = _config(config_path)
     _broker_topics(config)
     from streams.app import create_topics
+    from streams.control import ensure_control_topics
 
     created = create_topics(config, partitions)
+    # And the control plane's, so `models deploy` works before any worker ran.
+    created += ensure_control_topics(config)
     click.echo(f"created: {', '.join(created) or 'nothing (all exist)'}")
 
 
@@ -354,6 +357,7 @@ def models_deploy(
     if canary is not None and shadow:
         raise click.UsageError("--canary and --shadow exclude each other")
     config = _config(config_path)
+    _broker_topics(config)
     mode = "canary" if canary is not None else "shadow" if shadow else None
     limits = (max_p99_increase_ms, max_error_rate, max_score_drift)
     guardrail = None
@@ -377,7 +381,9 @@ def models_promote(config_path: Path, pipeline: str) -> None:
     from tools import rollout
 
     config = _config(config_path)
-    desired = rollout.promote(config, _pipeline(config, pipeline))
+    spec = _pipeline(config, pipeline)
+    _broker_topics(config)
+    desired = rollout.promote(config, spec)
     click.echo(f"{pipeline}: {rollout.describe(desired)}")
 
 
@@ -389,7 +395,9 @@ def models_rollback(config_path: Path, pipeline: str) -> None:
     from tools import rollout
 
     config = _config(config_path)
-    desired = rollout.rollback(config, _pipeline(config, pipeline))
+    spec = _pipeline(config, pipeline)
+    _broker_topics(config)
+    desired = rollout.rollback(config, spec)
     click.echo(f"{pipeline}: {rollout.describe(desired)}")
 
 
@@ -402,6 +410,7 @@ def models_status(config_path: Path, pipeline: str | None) -> None:
 
     config = _config(config_path)
     specs = [_pipeline(config, pipeline)] if pipeline else config.pipelines
+    _broker_topics(config)
     for spec in specs:
         click.echo("\n".join(rollout.status_lines(config, spec)))
 
@@ -471,18 +480,11 @@ def init(
     a model and (optionally) a feature service. Check it with `headrace check`."""
     import yaml
 
-    from tools.init import stanza
+    from tools.init import feature_service_columns, stanza
 
     refs, join_keys = [], []
     if feature_service:
-        from features.store import open_store
-
-        store = open_store(repo)
-        service = store.get_feature_service(feature_service)
-        for projection in service.feature_view_projections:
-            refs += [f"{projection.name_to_use()}__{f.name}" for f in projection.features]
-            view = store.get_feature_view(projection.name)
-            join_keys += [c.name for c in view.entity_columns if c.name not in join_keys]
+        refs, join_keys = feature_service_columns(repo, feature_service)
     spec = stanza(name, schema_path, model_path, refs, feature_service, join_keys)
     click.echo(yaml.safe_dump([spec], sort_keys=False), nl=False)
 
@@ -616,7 +618,7 @@ def consume(
     from confluent_kafka import Consumer
 
     from infra.kafka_clients import client_settings
-    from tools.answers import answer_decoder, json_safe
+    from tools.answers import answer_decoder
 
     decoder = answer_decoder(config)
     broker = config.broker
@@ -629,18 +631,60 @@ def consume(
         }
     )
     consumer.subscribe([spec.output_topic])
-    seen = 0
+    seen = skipped = 0
     try:
         while not max_records or seen < max_records:
             message = consumer.poll(1.0)
             if message is None or message.error():
                 continue
-            click.echo(json.dumps(json_safe(decoder.decode(message.value()))))
+            line = _answer_line(message, decoder)
+            if line is None:
+                skipped += 1
+                continue
+            click.echo(line)
             seen += 1
     except KeyboardInterrupt:
         pass
     finally:
         consumer.close()
+        if skipped:
+            click.echo(f"headrace: skipped {skipped} record(s) that did not decode", err=True)
+
+
+def _answer_line(message, decoder) -> str | None:
+    """One answer as a JSON line; None, after a line on stderr naming the record and why,
+    for a record that is not an answer (a tombstone, other bytes): one bad record must not
+    end the read, or `--from-beginning` could never get past it."""
+    from schemas.errors import DecodeError
+    from tools.answers import json_safe
+
+    where = f"{message.topic()}[{message.partition()}]@{message.offset()}"
+    if message.value() is None:
+        click.echo(f"headrace: {where}: skipped, a tombstone (no value)", err=True)
+        return None
+    try:
+        answer = decoder.decode(message.value())
+    except DecodeError as exc:
+        click.echo(f"headrace: {where}: skipped, not an answer ({exc})", err=True)
+        return None
+    return json.dumps(json_safe(answer), default=_json_value)
+
+
+def _json_value(value):
+    """What fastavro returns for logical types and bytes (an included input field), as
+    JSON text: ISO dates and times, base64 bytes, UUID and Decimal as their strings."""
+    import base64
+    import datetime
+    import decimal
+    import uuid
+
+    if isinstance(value, datetime.date | datetime.time):  # datetime is a date
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, uuid.UUID | decimal.Decimal):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 @cli.command()

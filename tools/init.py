@@ -19,6 +19,7 @@ from models.session import load_session
 from models.signature import ONNX_TYPES, Column, TensorInput
 from schemas.catalogue import read_schema_file
 from schemas.validation import field_types
+from streams.errors import ConfigError
 
 _NUMERIC = {"int", "long", "float", "double", "boolean"}
 
@@ -92,3 +93,33 @@ def _tensor(port) -> TensorInput:
     dtype = next((d for d, t in ONNX_TYPES.items() if t == port.type), "float32")
     width = port.shape[1] if len(port.shape) == 2 and isinstance(port.shape[1], int) else 1
     return TensorInput(port.name, dtype, tuple(Column(str(i), 0) for i in range(width)))
+
+
+def feature_service_columns(repo: Path, service_name: str) -> tuple[list[str], list[str]]:
+    """The feature refs (`view__feature`) of a Feast feature service of `repo`, and the
+    join keys of its views; ConfigError naming the service and those that exist when the
+    repo has no such service (a typo, or a repo not applied yet)."""
+    from feast.errors import FeastObjectNotFoundException
+
+    from features.store import open_store
+
+    store = open_store(repo)
+    try:
+        service = store.get_feature_service(service_name)
+    except FeastObjectNotFoundException as exc:
+        try:
+            known = sorted(s.name for s in store.list_feature_services())
+        except Exception:  # a registry Feast cannot read at all lists nothing
+            known = []
+        raise ConfigError(
+            f"--feature-service {service_name!r}: no such feature service in {repo} "
+            f"(it has: {', '.join(known) or 'none'}); hint: `headrace features prepare` "
+            "for the sample repo, or `feast apply` in your own"
+        ) from exc
+    refs: list[str] = []
+    join_keys: list[str] = []
+    for projection in service.feature_view_projections:
+        refs += [f"{projection.name_to_use()}__{f.name}" for f in projection.features]
+        view = store.get_feature_view(projection.name)
+        join_keys += [c.name for c in view.entity_columns if c.name not in join_keys]
+    return refs, join_keys

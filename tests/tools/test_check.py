@@ -135,3 +135,41 @@ def test_the_reader_schema_can_be_the_latest_version_of_a_registry_subject(
     result = check(with_registry)
     assert result.exit_code == 0, result.output
     assert "input Transaction (registry subject check-transactions-value)" in result.output
+
+
+def test_a_default_score_on_a_multiclass_model_is_a_problem(tmp_path, sample_assets):
+    """The worker refuses it at start; `check` said "no problems"."""
+
+    def set_default(spec: dict) -> None:
+        spec.setdefault("degradation", {})["default_score"] = 0.5
+
+    result = check(config_file(tmp_path, sample_assets, set_default))
+    assert result.exit_code == 1, result.output
+    assert (
+        "PROBLEM: pipeline clicks: degradation.default_score does not apply to a multiclass "
+        "model; leave it unset (events no rung answers are shed)"
+    ) in result.output
+
+
+def test_a_model_with_a_fixed_batch_of_one_is_a_problem(tmp_path, sample_assets):
+    """ONNX Runtime takes one row at a time from such a model: the worker's warm-up with
+    larger batches failed at start, while `check` said "no problems"."""
+    import onnx
+
+    artifact = onnx.load(str(sample_assets.model))
+    batch = artifact.graph.input[0].type.tensor_type.shape.dim[0]
+    batch.ClearField("dim_param")
+    batch.dim_value = 1
+    fixed = tmp_path / "fixed.onnx"
+    onnx.save(artifact, str(fixed))
+    path = config_file(tmp_path, sample_assets)
+    raw = yaml.safe_load(path.read_text())
+    raw["pipelines"][0]["model"]["path"] = str(fixed)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = check(path)
+    assert result.exit_code == 1, result.output
+    name = artifact.graph.input[0].name
+    assert (
+        f"input {name!r} has a fixed batch dimension of 1, but max_batch_size is 64; hint: "
+        "export the model with a dynamic batch axis, or set max_batch_size to 1"
+    ) in result.output

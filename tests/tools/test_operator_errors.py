@@ -52,7 +52,17 @@ def unreachable_config(tmp_path) -> Path:
 
 @pytest.mark.parametrize(
     "command",
-    [["worker"], ["audit"], ["topics", "create"], ["produce", "--duration", "1"], ["consume"]],
+    [
+        ["worker"],
+        ["audit"],
+        ["topics", "create"],
+        ["produce", "--duration", "1"],
+        ["consume"],
+        ["models", "status"],
+        ["models", "deploy", "fraud", "2"],
+        ["models", "promote", "fraud"],
+        ["models", "rollback", "fraud"],
+    ],
     ids=lambda command: " ".join(command),
 )
 def test_an_unreachable_broker_is_named_in_one_line_within_seconds(
