@@ -17,3 +17,9 @@ class StoreUnavailable(FeatureStoreError):
     in_memory: Any = None
     """`features.lookup.InMemory`: the batch's rows from memory, and which events they
     answer in full."""
+
+
+class StoreUnreachable(FeatureStoreError):
+    """An online store a command must write (Redis) does not answer."""
+
+    exit_status = 69  # EX_UNAVAILABLE: worth retrying once the store is up

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from features.errors import FeatureStoreError
+from features.errors import FeatureStoreError, StoreUnreachable
 from features.sample_data import SampleWorld
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ def prepare_sample_store(repo_path: Path, world: SampleWorld, redis: str | None 
     """
     from features.repo import definitions
 
+    if redis is not None:
+        _check_reachable(redis)  # before the repo's config names it
     if redis is not None or not (repo_path / "feature_store.yaml").exists():
         write_repo_config(repo_path, redis)
     data = repo_path / "data"
@@ -83,3 +85,19 @@ def prepare_sample_store(repo_path: Path, world: SampleWorld, redis: str | None 
         world.n_products,
         repo_path,
     )
+
+
+def _check_reachable(redis: str) -> None:
+    """StoreUnreachable unless Redis at `redis` (host:port) answers a ping within 2 s."""
+    import redis as redis_client
+
+    host, _, port = redis.rpartition(":")
+    try:
+        redis_client.Redis(
+            host=host or "127.0.0.1", port=int(port), socket_connect_timeout=2, socket_timeout=2
+        ).ping()
+    except (ValueError, redis_client.RedisError) as exc:
+        raise StoreUnreachable(
+            f"Redis at {redis} does not answer ({exc}); hint: start it (`headrace redis "
+            "start` for a local one) or check the address; the repo still uses its store"
+        ) from exc

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.ports import free_port
 from schemas.errors import DecodeError
 from tools import cli
 from tools.deploy import sample_config
@@ -249,3 +250,21 @@ def test_a_config_that_is_not_utf8_is_named_with_exit_2(monkeypatch, capsys, tmp
     assert err == [
         f"headrace: {path}: not UTF-8 text (byte 0xe9 at offset 11); hint: save the config as UTF-8"
     ]
+
+
+# --- features prepare --------------------------------------------------------------------
+
+
+def test_preparing_on_a_redis_that_does_not_answer_names_it_and_keeps_the_repo(
+    monkeypatch, capsys, config_path, tmp_path
+):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "feature_store.yaml").write_text("online_store: {type: sqlite}\n")
+    code, _out, err = run(
+        monkeypatch, capsys, "features", "prepare", "-c", str(config_path),
+        "--redis", f"127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    assert code == 69
+    assert len(err) == 1 and "does not answer" in err[0] and "headrace redis start" in err[0]
+    assert (repo / "feature_store.yaml").read_text() == "online_store: {type: sqlite}\n"
