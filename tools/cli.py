@@ -1054,7 +1054,7 @@ def monitor_rules(slo: float, out: Path | None) -> None:
 def top(config_path: Path, targets: tuple[str, ...], interval: float, once: bool) -> None:
     """A live view of the workers, from their /metrics: outcomes/s by status, p50/p99
     against the budget, lag, batch size, in flight, feature cache hit rates."""
-    from tools.top import frames, metrics_url, render
+    from tools.top import NoWorkerAnswered, frames, metrics_url, render
 
     urls = [metrics_url(target) for target in _metrics_targets(targets, config_path)]
     live = sys.stdout.isatty() and not once
@@ -1063,6 +1063,11 @@ def top(config_path: Path, targets: tuple[str, ...], interval: float, once: bool
             text = render(frame, urls)
             click.echo(f"\x1b[H\x1b[2J{text}" if live else text)
             if once:
+                if not frame.workers:  # a script must not read "no workers" as fine
+                    raise NoWorkerAnswered(
+                        f"no worker's /metrics answered ({', '.join(urls)}); hint: is a "
+                        "worker running, and is metrics.port its port? (--target HOST:PORT)"
+                    )
                 return
             if not live:
                 click.echo()

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from schemas.errors import HeadraceError
+
 READ_TIMEOUT_S = 3.0
 
 
@@ -241,6 +243,12 @@ def _ms(seconds: float | None) -> str:
 
 def _over(seconds: float | None, budget_s: float | None) -> str:
     return " !" if seconds is not None and budget_s is not None and seconds > budget_s else ""
+
+
+class NoWorkerAnswered(HeadraceError):
+    """`top --once`: not one target's /metrics answered."""
+
+    exit_status = 69  # EX_UNAVAILABLE, as for an unreachable broker
 
 
 def frames(urls: Sequence[str], interval_s: float) -> Iterable[Frame]:

@@ -268,3 +268,17 @@ def test_preparing_on_a_redis_that_does_not_answer_names_it_and_keeps_the_repo(
     assert code == 69
     assert len(err) == 1 and "does not answer" in err[0] and "headrace redis start" in err[0]
     assert (repo / "feature_store.yaml").read_text() == "online_store: {type: sqlite}\n"
+
+
+# --- top ---------------------------------------------------------------------------------
+
+
+def test_top_once_with_no_worker_answering_fails_for_scripts(monkeypatch, capsys, config_path):
+    target = f"127.0.0.1:{free_port()}"
+    code, out, err = run(
+        monkeypatch, capsys, "top", "-c", str(config_path), "--once", "--interval", "0.1",
+        "--target", target,
+    )  # fmt: skip
+    assert code == 69
+    assert any(line.startswith(f"unreachable: http://{target}") for line in out)
+    assert len(err) == 1 and "no worker's /metrics answered" in err[0]
