@@ -507,8 +507,14 @@ def worker(config_path: Path, log_level: str) -> None:
 @cli.command()
 @config_option
 @click.option("--pipeline", "pipeline_name", help="Pipeline name (default: the first).")
-@click.option("--rate", default=100.0, show_default=True, help="Events per second.")
-@click.option("--duration", default=10.0, show_default=True, help="Seconds.")
+@click.option(
+    "--rate", type=click.FloatRange(0, min_open=True), default=100.0, show_default=True,
+    help="Events per second.",
+)  # fmt: skip
+@click.option(
+    "--duration", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
+    help="Seconds.",
+)  # fmt: skip
 @click.option("--seed", default=1, show_default=True)
 @click.option("--priority", type=int, help="Send this priority in the pipeline's priority header.")
 def produce(

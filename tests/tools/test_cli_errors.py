@@ -282,3 +282,12 @@ def test_top_once_with_no_worker_answering_fails_for_scripts(monkeypatch, capsys
     assert code == 69
     assert any(line.startswith(f"unreachable: http://{target}") for line in out)
     assert len(err) == 1 and "no worker's /metrics answered" in err[0]
+
+
+@pytest.mark.parametrize("option", ["--rate", "--duration"])
+def test_produce_refuses_a_rate_or_duration_that_sends_nothing(
+    monkeypatch, capsys, config_path, option
+):
+    code, _out, err = run(monkeypatch, capsys, "produce", "-c", str(config_path), option, "-5")
+    assert code == 2
+    assert any(option in line for line in err)
