@@ -33,7 +33,9 @@ def stanza(
     fields = list(types)
     session = load_session(ModelConfig(path=model_path))
     props = session.get_modelmeta().custom_metadata_map
-    model: dict[str, Any] = {"path": str(model_path)}
+    # Absolute: a config resolves relative paths against its own folder, not where
+    # `init` ran, so a stanza pasted into a config elsewhere would point nowhere.
+    model: dict[str, Any] = {"path": str(model_path.resolve())}
     if "feature_names" not in props:
         numeric = [f for f in fields if types[f] & _NUMERIC] + list(feature_refs)
         model["inputs"] = [
@@ -46,7 +48,7 @@ def stanza(
         "output_topic": f"{name}-answers",
         "dead_letter_topic": f"{name}-dlq",
         "input": {
-            "schema": str(schema_path),
+            "schema": str(schema_path.resolve()),
             **({"event_id_field": "event_id"} if "event_id" in fields else {}),
             "validate": {f: ["required"] for f in fields if "null" not in types[f]} or {},
         },

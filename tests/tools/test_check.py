@@ -82,10 +82,11 @@ def test_a_column_without_a_source_names_the_input_and_what_is_available(tmp_pat
     assert "product_stats__price" in result.output  # what is available
 
 
-def test_init_writes_a_stanza_that_checks_clean(tmp_path, sample_assets):
+def test_init_writes_a_stanza_that_checks_clean(tmp_path, sample_assets, monkeypatch):
+    monkeypatch.chdir(SCHEMA_DIR)  # a path as typed here must hold in a config elsewhere
     result = CliRunner().invoke(
         cli,
-        ["init", "--name", "clicks", "--schema", str(SCHEMA_DIR / "click.avsc"),
+        ["init", "--name", "clicks", "--schema", "click.avsc",
          "--model", str(intent_path(sample_assets.model)), "--feature-service",
          "click_intent", "--repo", str(sample_assets.repo)],
     )  # fmt: skip
@@ -96,6 +97,7 @@ def test_init_writes_a_stanza_that_checks_clean(tmp_path, sample_assets):
     assert names["page_type"]["dtype"] == "string" and names["dwell_ms"]["dtype"] == "int64"
     assert names["product_stats__price"]["columns"] == ["product_stats__price"]
     assert stanza["entity_fields"] == {"product_id": "product_id"}
+    assert stanza["input"]["schema"] == str((SCHEMA_DIR / "click.avsc").resolve())
     raw = sample_config("127.0.0.1:9", sample_assets.repo, sample_assets.model)
     raw["pipelines"] = [copy.deepcopy(stanza)]
     path = tmp_path / "init.yaml"
