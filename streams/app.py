@@ -513,7 +513,7 @@ def run_worker(config: HeadraceConfig, log_level: str = "info") -> None:
             parts = wired[name]
 
             def acknowledge(handles: list) -> None:
-                health.answered()
+                health.answered(name)
                 ack(handles)
 
             return PipelineRunner(

@@ -1,9 +1,11 @@
 """What the worker's `/healthz/live` and `/healthz/ready` answer, from its own state.
 
-    live   the event loop runs a callback within `health.loop_timeout_ms`, and records
-           waiting for an answer (not those held for the schema registry) saw an
-           acknowledgement within `health.stall_after_s`; the bare runtime's poll
-           thread also turned within it. A worker still starting is live.
+    live   the event loop runs a callback within `health.loop_timeout_ms`, and every
+           pipeline with records waiting for an answer (not those held for the schema
+           registry) acknowledged a batch within `health.stall_after_s`; the bare
+           runtime's poll thread also turned within it. A worker still starting is live.
+           Progress is kept per pipeline: one that answers does not hide another that
+           is stuck (a hung model run), and the problem names the stuck one.
     ready  models warmed, the group joined (partitions assigned, possibly none), a
            bootstrap broker accepts a connection, every feature store's breaker is
            closed, and the worker is not draining.
@@ -20,6 +22,7 @@ read as a snapshot.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -36,6 +39,8 @@ LIVE_PATH = "/healthz/live"
 READY_PATH = "/healthz/ready"
 BROKER_CONNECT_TIMEOUT_S = 1.0
 
+log = logging.getLogger(__name__)
+
 
 class Health:
     def __init__(self, config: HeadraceConfig, clock: Callable[[], float] = time.monotonic):
@@ -45,13 +50,17 @@ class Health:
         self._clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lookups: list[FeatureLookup] = []
-        self._waiting: list[Callable[[], int]] = []
+        self._waiting: dict[str, Callable[[], int]] = {}
+        """Per pipeline, its count of records handed to its runner and not answered."""
         self._warmed = False
         self._joined = False
         self._on_join: list[Callable[[], None]] = []
         self._on_revoke: list[Callable[[], None]] = []
         self._draining = False
-        self._progress_at = clock()
+        self._progress_at: dict[str, float] = {}
+        """Per pipeline, when it last acknowledged a batch (or had nothing waiting)."""
+        self._stalled: set[str] = set()
+        """The pipelines found stalled, logged once per stall."""
         self._turned_at: float | None = None
 
     # Reports from the worker -------------------------------------------------------
@@ -61,15 +70,19 @@ class Health:
         self._lookups = list(lookups)
         self._warmed = True
 
-    def serving(self, loop: asyncio.AbstractEventLoop, waiting: Callable[[], int]) -> None:
-        """The runtime's loop runs; `waiting()` counts records handed to a runner and
-        not answered, except those held for the registry (called from other threads)."""
+    def serving(
+        self, loop: asyncio.AbstractEventLoop, pipeline: str, waiting: Callable[[], int]
+    ) -> None:
+        """The runtime's loop runs `pipeline`'s runner; `waiting()` counts records handed
+        to it and not answered, except those held for the registry (called from other
+        threads). Registering a pipeline again (an agent restarted) replaces its count."""
+        self._progress_at.setdefault(pipeline, self._clock())
+        self._waiting[pipeline] = waiting
         self._loop = loop
-        self._waiting.append(waiting)
 
-    def answered(self) -> None:
-        """A batch was acknowledged."""
-        self._progress_at = self._clock()
+    def answered(self, pipeline: str) -> None:
+        """A batch of `pipeline` was acknowledged."""
+        self._progress_at[pipeline] = self._clock()
 
     def turned(self) -> None:
         """The consumer's poll loop went round (bare runtime)."""
@@ -108,12 +121,22 @@ class Health:
         if not self._loop_answers():
             problems.append(f"event loop did not answer within {self._loop_timeout_s:g} s")
         now = self._clock()
-        if sum(waiting() for waiting in self._waiting) == 0:
-            self._progress_at = now  # nothing to do is no stall
-        elif now - self._progress_at > self._stall_after_s:
-            problems.append(
-                f"records wait and nothing was answered for {now - self._progress_at:.0f} s"
+        for pipeline, waiting in list(self._waiting.items()):
+            if waiting() == 0:
+                self._progress_at[pipeline] = now  # nothing to do is no stall
+                self._stalled.discard(pipeline)
+                continue
+            stalled_s = now - self._progress_at.get(pipeline, now)
+            if stalled_s <= self._stall_after_s:
+                self._stalled.discard(pipeline)
+                continue
+            problem = (
+                f"pipeline {pipeline}: records wait and nothing was answered for {stalled_s:.0f} s"
             )
+            problems.append(problem)
+            if pipeline not in self._stalled:  # probes repeat: once per stall
+                self._stalled.add(pipeline)
+                log.error("not live: %s", problem)
         if self._turned_at is not None and now - self._turned_at > self._stall_after_s:
             problems.append(f"consumer poll loop stuck for {now - self._turned_at:.0f} s")
         return problems

@@ -55,6 +55,12 @@ class Prepared:
     timings: dict[str, int] = field(default_factory=dict)
     run_seconds: dict[Route, float] = field(default_factory=dict)
     """Seconds of each model run (full, fallback) of the batch."""
+    to_run: dict[Route, list[Item]] | None = None
+    """The events of each model run (full, fallback) not done yet, taken at the first
+    attempt of `infer`: a retry runs only these (None: not attempted)."""
+    rescue_seconds: float = 0.0
+    """Seconds of the fallback model's run on the full model's NaN or infinite answers:
+    those events' inference time, kept out of `run_seconds` (the estimator's)."""
     outgoing: Outgoing | None = None
     """Its outcome records once encoded, with what Kafka acknowledged of them."""
     serving: Serving | None = None
@@ -258,22 +264,42 @@ class Pipeline:
     async def infer(self, prepared: Prepared) -> None:
         """Run the full and the fallback model on their events, one run each, at once.
         An event moved off the full path after its features were read can still take
-        the fallback model: it has every input."""
+        the fallback model: it has every input. When a run fails, the other is awaited
+        before the error is raised; a retry (the runner's, on a transient ModelError)
+        runs only the models whose run failed, on the same events: a run that answered
+        is neither run nor counted again."""
         serving = prepared.serving
-        routes = {item.route for item in prepared.admitted}
+        pending = prepared.to_run
+        if pending is None:  # the first attempt: routes may change from here (a rescue)
+            admitted = prepared.admitted
+            routes = {item.route for item in admitted}
+            pending = prepared.to_run = {
+                route: [item for item in admitted if item.route is route]
+                for route in (Route.FULL, Route.FALLBACK)
+                if route in routes
+            }
+        models = {Route.FULL: serving.model, Route.FALLBACK: self.fallback}
         runs = [
-            self._run(prepared, route, model)
-            for route, model in ((Route.FULL, serving.model), (Route.FALLBACK, self.fallback))
-            if route in routes
+            self._run(prepared, route, models[route], items) for route, items in pending.items()
         ]
         with prepared.trace.stage("infer"):
             if len(runs) == 1:  # the usual batch: no tasks to run one model
                 await runs[0]
+                pending.clear()
             elif runs:
-                await asyncio.gather(*runs)
+                outcomes = await asyncio.gather(*runs, return_exceptions=True)
+                failed = None
+                for route, outcome in zip(list(pending), outcomes, strict=True):
+                    if outcome is None:
+                        del pending[route]
+                    elif failed is None:
+                        failed = outcome
+                if failed is not None:
+                    raise failed
 
-    async def _run(self, prepared: Prepared, route: Route, model: Model | None) -> None:
-        items = [item for item in prepared.admitted if item.route is route]
+    async def _run(
+        self, prepared: Prepared, route: Route, model: Model | None, items: list[Item]
+    ) -> None:
         serving = prepared.serving
         if route is Route.FULL and serving.canary:
             items, canary = serving.split(items)
@@ -341,14 +367,15 @@ class Pipeline:
         """The fallback model's answers for events the full model answered with NaN or
         infinity; returns those still without a usable one. Only events it has every
         input for (a fallback that reads the store needs the event's row). Its run is
-        rare and not counted as the batch's fallback run: it would skew that estimate."""
+        rare and not counted as the batch's fallback run: it would skew that estimate;
+        its seconds are those events' inference time (`Prepared.rescue_seconds`)."""
         fallback = self.fallback
         able = [i for i in items if fallback is not None and (not fallback.needs_store
                                                                or i.row is not None)]  # fmt: skip
         if not able:
             return items
         try:
-            await fallback.run(able, prepared.rows)
+            prepared.rescue_seconds = await fallback.run(able, prepared.rows)
         except ModelError as exc:  # the ladder answers them instead
             log.warning("pipeline %s: the fallback model failed on %d events the full "
                         "model answered with NaN or infinity: %s",
@@ -394,6 +421,8 @@ class Pipeline:
             for route, seconds in prepared.run_seconds.items()
         }
         no_run = {**prepared.timings, "inference_us": 0}
+        rescued = {**prepared.timings, "inference_us": int(prepared.rescue_seconds * 1e6)}
+        candidate = {**prepared.timings, "inference_us": int(prepared.candidate_seconds * 1e6)}
         missing_of = prepared.rows.missing_views if prepared.rows is not None else []
         spec = self.config
         serving = prepared.serving
@@ -405,20 +434,22 @@ class Pipeline:
                 out.append(dead_letter(item.record, item.error, spec.name, topic, trace_id))
                 continue
             route = item.route
+            timing = timings.get(route, no_run)
             if route is Route.FALLBACK:
                 model = self.fallback
+                if item.reason == NON_FINITE:  # the full model's NaN, rescued (`_rescue`)
+                    timing = rescued
+            elif item.candidate and route is Route.FULL:
+                model = serving.candidate
+                timing = candidate
             else:
-                canary = item.candidate and route is Route.FULL
-                model = serving.candidate if canary else serving.model
+                model = serving.model
             answer = self._answer(item)
             read_store = item.row is not None and self._needs_store(route, serving)
             missing = list(missing_of[item.row]) if read_store else []
             if route is Route.FULL:
                 for view in missing:
                     self.metrics.missing_features(view).inc()
-            timing = timings.get(route, no_run)
-            if item.candidate and route is Route.FULL:
-                timing = {**timing, "inference_us": int(prepared.candidate_seconds * 1e6)}
             out.append(self._encoder.encode(item, model.signature, answer, missing, timing))
         return out
 

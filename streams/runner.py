@@ -193,6 +193,11 @@ class PipelineRunner:
                 self._submitted.set()  # it and stops the worker
 
     @property
+    def name(self) -> str:
+        """The pipeline's name."""
+        return self._name
+
+    @property
     def unanswered(self) -> int:
         """Records submitted and not acknowledged, except those waiting for the registry."""
         return self.in_flight.count - self.in_flight.held

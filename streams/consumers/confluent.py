@@ -166,7 +166,7 @@ class BareConsumer:
             loop.add_signal_handler(sig, stop.set)
         for runner in self._runners.values():
             await runner.start()
-            self._health.serving(loop, lambda runner=runner: runner.unanswered)
+            self._health.serving(loop, runner.name, lambda runner=runner: runner.unanswered)
         self._consumer.subscribe(
             list(self._runners),
             on_assign=self._assigned,

@@ -253,7 +253,7 @@ def _add_agent(
     async def consume(_stream) -> None:
         # The agent's stream stays unused: records arrive a fetch at a time on the feed.
         await runner.start()
-        health.serving(asyncio.get_running_loop(), lambda: runner.unanswered)
+        health.serving(asyncio.get_running_loop(), name, lambda: runner.unanswered)
         try:
             while True:
                 messages = await app.take(input_topic)

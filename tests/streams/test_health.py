@@ -63,7 +63,7 @@ def test_live_while_starting_then_stalled_when_records_wait_unanswered(running_l
     health = health_with(lambda: now[0])
     assert health.live() == []  # starting: warming models
     waiting = [0]
-    health.serving(running_loop, lambda: waiting[0])
+    health.serving(running_loop, "p", lambda: waiting[0])
     now[0] = 100.0
     assert health.live() == []  # nothing to do is no stall
     waiting[0] = 5
@@ -71,14 +71,33 @@ def test_live_while_starting_then_stalled_when_records_wait_unanswered(running_l
     assert health.live() == []
     now[0] = 111.0
     (problem,) = health.live()
-    assert "nothing was answered for 11 s" in problem
-    health.answered()
+    assert problem == "pipeline p: records wait and nothing was answered for 11 s"
+    health.answered("p")
+    assert health.live() == []
+
+
+def test_a_stuck_pipeline_is_not_hidden_by_another_that_answers(running_loop, caplog):
+    now = [0.0]
+    health = health_with(lambda: now[0])
+    health.serving(running_loop, "fraud", lambda: 3)  # answers flow
+    health.serving(running_loop, "clicks", lambda: 500)  # a hung model run: none
+    for second in (5.0, 10.0):
+        now[0] = second
+        health.answered("fraud")
+    assert health.live() == []
+    now[0] = 16.0
+    health.answered("fraud")
+    problems = health.live()
+    assert problems == ["pipeline clicks: records wait and nothing was answered for 16 s"]
+    assert health.answer(LIVE_PATH) == (503, problems[0] + "\n")
+    assert [r.message for r in caplog.records] == [f"not live: {problems[0]}"]  # once
+    health.answered("clicks")
     assert health.live() == []
 
 
 def test_not_live_while_the_event_loop_is_blocked(running_loop):
     health = health_with(time.monotonic)
-    health.serving(running_loop, lambda: 0)
+    health.serving(running_loop, "p", lambda: 0)
     assert health.live() == []
     running_loop.call_soon_threadsafe(time.sleep, 1.0)
     time.sleep(0.05)
@@ -92,7 +111,7 @@ def test_ready_needs_warm_models_a_group_a_closed_breaker_and_no_drain(running_l
     assert health.ready() == ["starting: models warming up"]
     lookup = FakeLookup()
     health.warmed([lookup])
-    health.serving(running_loop, lambda: 0)
+    health.serving(running_loop, "p", lambda: 0)
     assert health.ready() == ["consumer group not joined yet"]
     health.joined(True)
     assert health.ready() == []

@@ -19,14 +19,14 @@ from schemas.catalogue import LocalCatalogue, load_schema
 from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.validation import EventRules
 from streams import metrics
-from streams.admit import Admission, Estimates, Ladder, Tickets
+from streams.admit import Admission, Estimates, Ladder, Route, Tickets
 from streams.config import PipelineConfig
 from streams.decode import EventDecoder
 from streams.encode import AnswerEncoder
 from streams.errors import PublishError
 from streams.infer import Model
 from streams.outgoing import REDELIVERED
-from streams.pipeline import Pipeline
+from streams.pipeline import Pipeline, Prepared
 from streams.records import InputRecord
 from streams.serving import Serving
 from tools.deploy import sample_config
@@ -45,6 +45,8 @@ class FakePool:
         self.signature = Signature(name, version, (TensorInput("X", "float32", columns),), output)
         self.score = score
         self.rows = 0
+        self.seconds = 0.001
+        """What each run reports it took."""
         self.warmup_seconds = {1: 0.001}
 
     async def run_timed(self, feeds):
@@ -52,7 +54,7 @@ class FakePool:
         self.rows += len(matrix)
         return self.signature.output.answers(
             np.full((len(matrix), 2), self.score), len(matrix)
-        ), 0.001
+        ), self.seconds
 
 
 class BrokenPool(FakePool):
@@ -336,6 +338,101 @@ def test_a_non_finite_model_answer_is_never_ok(score, fallback, default_score, e
     if status == "DEGRADED":
         assert answer["degraded_by"] == degraded_by
         assert answer["score"] == pytest.approx(answered_score)
+
+
+def test_an_answer_the_fallback_model_rescued_reports_the_rescue_s_inference_time():
+    """The rescue's run is kept out of the batch's fallback run (the estimator's), but it
+    is the inference time of the events it answered, not no run at all."""
+    built, parts = pipeline(default_score=None, full_score=math.nan)
+    parts["lite"].seconds = 0.004
+    batch = records([0.010])
+
+    async def stages() -> Prepared:
+        items = await parts["decoder"].decode(batch, [0])
+        prepared = built.prepare(items)
+        built.route(prepared.admitted, FAST)
+        await built.read_features(prepared)
+        await built.infer(prepared)
+        await built.publish(prepared)
+        return prepared
+
+    prepared = asyncio.run(stages())
+    (record,) = parts["publisher"].records
+    answer = AvroDecoder(LocalCatalogue(), "prediction.avsc").decode(record.value)
+    assert (answer["model_name"], answer["reason"]) == ("lite", "non_finite_answer")
+    assert answer["timings"]["inference_us"] == 4000
+    assert prepared.run_seconds == {Route.FULL: pytest.approx(0.001)}
+
+
+def test_a_retried_inference_runs_and_counts_only_the_model_that_failed():
+    """The runner retries `infer` after a transient ModelError: the full model, which
+    answered, is neither run nor counted again (answers, scores, run seconds, guardrail
+    samples, the inference stage); the fallback model runs once more."""
+    built, parts = pipeline(default_score=None)
+    lite = parts["lite"]
+    answer = lite.run_timed
+    failures = [ModelError("transient: CUDA out of memory")]
+
+    async def fails_once(feeds):
+        if failures:
+            raise failures.pop()
+        return await answer(feeds)
+
+    lite.run_timed = fails_once
+    inference = built.metrics.stage["inference"]
+    before = inference._sum.get()
+    batch = records([0.010, 0.050])  # in full; only the fallback model in time
+
+    async def stages() -> None:
+        items = await parts["decoder"].decode(batch, [0, 1])
+        prepared = built.prepare(items)
+        built.route(prepared.admitted, SLOW)
+        await built.read_features(prepared)
+        with pytest.raises(ModelError):
+            await built.infer(prepared)
+        await built.infer(prepared)  # the runner's retry
+        await built.publish(prepared)
+
+    asyncio.run(stages())
+    decoder = AvroDecoder(LocalCatalogue(), "prediction.avsc")
+    full, late = (decoder.decode(r.value) for r in parts["publisher"].records)
+    assert (full["status"], full["model_name"]) == ("OK", "full")
+    assert (late["status"], late["model_name"]) == ("DEGRADED", "lite")
+    assert (parts["full"].rows, lite.rows) == (1, 1)
+    assert [(s.answers, s.errors) for s in built.serving.meter.samples] == [(1, 0)]
+    assert inference._sum.get() - before == pytest.approx(0.001)
+
+
+def test_a_failed_run_is_raised_once_the_other_run_ended():
+    """A retry must find the other model's run ended, not running beside it and owned by
+    no one: `infer` raises the fallback's error only once the full model answered."""
+    built, parts = pipeline(default_score=None)
+    full = parts["full"]
+    answer = full.run_timed
+
+    async def slower(feeds):  # a run of a few turns of the loop: it ends after the failure
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return await answer(feeds)
+
+    async def fails(feeds):
+        raise ModelError("transient: CUDA out of memory")
+
+    full.run_timed, parts["lite"].run_timed = slower, fails
+
+    async def stages() -> Prepared:
+        items = await parts["decoder"].decode(records([0.010, 0.050]), [0, 1])
+        prepared = built.prepare(items)
+        built.route(prepared.admitted, SLOW)
+        await built.read_features(prepared)
+        with pytest.raises(ModelError):
+            await built.infer(prepared)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+        assert full.rows == 1
+        return prepared
+
+    prepared = asyncio.run(stages())
+    assert list(prepared.to_run) == [Route.FALLBACK]
 
 
 def test_inputs_marked_between_publish_attempts_are_sent_marked_once():

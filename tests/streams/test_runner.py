@@ -490,3 +490,9 @@ async def test_what_follows_a_decoding_bug_is_not_answered_while_a_lookup_delays
     await run.stop()
     assert fatal[0][1] == [(0, 0)]
     assert [handle for handle in acked if handle[0] == 0] == []
+
+
+def test_a_runner_names_its_pipeline_for_the_health_checks():
+    # `Health` keeps progress per pipeline: the bare runtime registers a runner by it.
+    pipeline = FakePipeline()
+    assert runner(pipeline, [], []).name == pipeline.config.name
