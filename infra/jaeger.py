@@ -117,7 +117,13 @@ class JaegerServer(LocalService):
             query_grpc_port=self.query_grpc_port or self.query_port + 1,
         ))  # fmt: skip
         command = [str(binary), "--config", f"file:{config}"]
-        return self.process.launch(command, self.ready, timeout_s)
+        ports = {
+            "otlp_port": self.otlp_port,
+            "query_port": self.query_port,
+            "health_port": self.health_port,
+            "query_grpc_port": self.query_grpc_port or self.query_port + 1,
+        }
+        return self.process.launch(command, self.ready, timeout_s, ports=ports)
 
     def trace(self, trace_id: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """The spans Jaeger holds of one trace, each with its process's `serviceName`

@@ -142,7 +142,9 @@ class KafkaBroker(LocalService):
         ]
         if not (data / "meta.properties").exists():
             self._format(jvm, properties)
-        return self.process.launch([*jvm, "kafka.Kafka", str(properties)], self.ready, timeout_s)
+        ports = {"port": self.port, "controller_port": self.controller_port}
+        command = [*jvm, "kafka.Kafka", str(properties)]
+        return self.process.launch(command, self.ready, timeout_s, ports=ports)
 
     def ready(self) -> bool:
         from confluent_kafka.admin import AdminClient

@@ -35,4 +35,5 @@ class MlflowServer(LocalService):
             "--backend-store-uri", f"sqlite:///{state / 'mlflow.db'}",
             "--artifacts-destination", str(state / "artifacts"),
         ]  # fmt: skip
-        return self.process.launch(command, self.ready, timeout_s, cwd=state)
+        ports = {"port": self.port}
+        return self.process.launch(command, self.ready, timeout_s, cwd=state, ports=ports)

@@ -52,7 +52,7 @@ class PrometheusServer(LocalService):
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--web.enable-lifecycle",
         ]
-        return self.process.launch(command, self.ready, timeout_s)
+        return self.process.launch(command, self.ready, timeout_s, ports={"port": self.port})
 
     def reload(self, timeout_s: float = 10.0) -> None:
         """Make the running server read its config and rule files again."""

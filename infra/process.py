@@ -2,41 +2,63 @@
 
 The process gets its own session so that `headrace broker start` can return while
 the broker runs on; its pid is kept in the service's state folder, so a later
-`stop` (from another process) finds it.
+`stop` (from another process) finds it. Beside the pid the file keeps the process's
+start time (field 22 of /proc/PID/stat), because a pid outlives its process: after a
+reboot or a crash the same number may name an unrelated process, which must be
+neither taken for the service (a `start` that starts nothing) nor signalled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import ClassVar
 
 from infra.errors import InfraError
 
+PROC = Path("/proc")
+
 
 class ServiceProcess:
-    def __init__(self, name: str, state_dir: Path) -> None:
+    def __init__(self, name: str, state_dir: Path, kill_timeout_s: float = 10.0) -> None:
         self.name = name
         self.state_dir = state_dir
         self.pid_file = state_dir / f"{name}.pid"
         self.log_file = state_dir / f"{name}.log"
+        self.kill_timeout_s = kill_timeout_s
 
     def pid(self) -> int | None:
-        """The pid of the running service, or None (a stale pid file is removed)."""
+        """The pid of the running service, or None. A pid file whose process is gone, or
+        is another process now (its start time differs), is stale: it is removed, and
+        nothing is signalled."""
         try:
-            pid = int(self.pid_file.read_text())
+            recorded, *identity = self.pid_file.read_text().split()
+            pid = int(recorded)
         except (OSError, ValueError):
             return None
-        if _alive(pid):
+        if _alive(pid) and self._ours(pid, identity[0] if identity else None):
             return pid
         self.pid_file.unlink(missing_ok=True)
         return None
+
+    def _ours(self, pid: int, start_ticks: str | None) -> bool:
+        if not (PROC / "self" / "stat").exists():
+            return True  # no /proc (not Linux): the pid is all there is to go on
+        if start_ticks is not None:
+            return _start_ticks(pid) == start_ticks
+        # A pid file written before the start time was kept: ours if it writes to our log.
+        try:
+            return os.readlink(PROC / str(pid) / "fd" / "1") == str(self.log_file.resolve())
+        except OSError:
+            return False
 
     def launch(
         self,
@@ -44,10 +66,19 @@ class ServiceProcess:
         ready: Callable[[], bool],
         timeout_s: float,
         cwd: Path | None = None,
+        ports: Mapping[str, int] | None = None,
     ) -> float:
-        """Start `command` unless running, wait until `ready()`; return seconds it took."""
+        """Start `command` unless running, wait until `ready()`; return seconds it took.
+
+        `ports` are the loopback ports the service will listen on, by the name of the
+        option that sets each: one another process listens on fails here, before
+        anything starts (else `ready()` could be answered by that process). Raises
+        InfraError if the process exits before it is ready (with its log's tail) or is
+        not ready within `timeout_s` (then it is stopped)."""
         if self.pid() is not None:
             return 0.0
+        for option, port in (ports or {}).items():
+            _check_free(self.name, port, option)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with open(self.log_file, "ab") as log:
@@ -59,17 +90,22 @@ class ServiceProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.pid_file.write_text(str(process.pid))
+        start_ticks = _start_ticks(process.pid)
+        self.pid_file.write_text(f"{process.pid} {start_ticks or ''}".rstrip() + "\n")
         deadline = started + timeout_s
-        while time.monotonic() < deadline:
+        while True:
+            # Asked again after `ready()`: a child that died meanwhile (on its bind, say)
+            # did not answer it; whatever did is not ours.
+            if process.poll() is None and ready() and process.poll() is None:
+                return time.monotonic() - started
             if process.poll() is not None:
                 self.pid_file.unlink(missing_ok=True)
                 raise InfraError(
                     f"{self.name} exited with {process.returncode} while starting; "
                     f"log {self.log_file}:\n{self.log_tail()}"
                 )
-            if ready():
-                return time.monotonic() - started
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.2)
         self.stop()
         raise InfraError(
@@ -78,18 +114,23 @@ class ServiceProcess:
         )
 
     def stop(self, timeout_s: float = 30.0) -> bool:
-        """SIGTERM, then SIGKILL after `timeout_s`. Returns whether it was running. Safe twice."""
+        """SIGTERM, then SIGKILL after `timeout_s`. Returns whether it was running. Safe twice.
+
+        Blocks at most `timeout_s` plus `kill_timeout_s`; raises InfraError naming the pid
+        (and keeps the pid file) if the process outlives SIGKILL that long."""
         pid = self.pid()
         if pid is None:
             return False
-        _signal_group(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _alive(pid):
-            _signal_group(pid, signal.SIGKILL)
-            while _alive(pid):
-                time.sleep(0.05)
+        start_ticks = _start_ticks(pid)
+        _signal(pid, signal.SIGTERM)
+        if not _wait_gone(pid, start_ticks, timeout_s):
+            _signal(pid, signal.SIGKILL)
+            if not _wait_gone(pid, start_ticks, self.kill_timeout_s):
+                raise InfraError(
+                    f"{self.name} (pid {pid}) is still running {self.kill_timeout_s:.0f} s "
+                    f"after SIGKILL; hint: `ps -o pid,stat,cmd -p {pid}` (state D: it ends "
+                    f"when its I/O does), then remove {self.pid_file}"
+                )
         self.pid_file.unlink(missing_ok=True)
         return True
 
@@ -131,6 +172,22 @@ class LocalService:
             return False
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat from field 3 (state) on, or None if unreadable."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # Field 2, the command name, is in parentheses and may hold spaces and parentheses.
+    return text[text.rfind(")") + 2 :].split()
+
+
+def _start_ticks(pid: int) -> str | None:
+    """When `pid` started, in clock ticks after boot (field 22): with the pid, an identity."""
+    fields = _stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
 def _alive(pid: int) -> bool:
     # Reap it if it is our own child, so a zombie does not count as alive.
     with contextlib.suppress(ChildProcessError):
@@ -141,9 +198,48 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    # Nor a zombie whose parent (not us) has not reaped it yet.
+    fields = _stat(pid)
+    return not (fields and fields[0] == "Z")
+
+
+def _wait_gone(pid: int, start_ticks: str | None, timeout_s: float) -> bool:
+    """Wait until `pid` has exited (or is another process); whether it did in `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and _start_ticks(pid) == start_ticks:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
     return True
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
+def _signal(pid: int, sig: int) -> None:
+    """Signal the process group `pid` leads (the service and its children), or `pid`
+    alone when it leads none (it left the session it was started in)."""
+    try:
         os.killpg(pid, sig)
+        return
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        raise InfraError(f"may not signal process group {pid}: {exc}") from exc
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _check_free(name: str, port: int, option: str) -> None:
+    """Raise InfraError if another process listens on loopback `port` (a listener on the
+    wildcard address counts: the kernel refuses 127.0.0.1 beside it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the services do: a connection in TIME_WAIT (our last run's) is no obstacle,
+        # a listening socket is.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise InfraError(f"{name}: cannot bind 127.0.0.1:{port}: {exc.strerror}") from exc
+            raise InfraError(
+                f"{name}: port {port} is taken (by another process); "
+                f"hint: stop it or pass --{option.replace('_', '-')}"
+            ) from None

@@ -42,7 +42,7 @@ class RedisServer(LocalService):
             "--appendonly", "no",
             "--dir", str(self.state_dir),
         ]  # fmt: skip
-        return self.process.launch(command, self.ready, timeout_s)
+        return self.process.launch(command, self.ready, timeout_s, ports={"port": self.port})
 
     def ready(self) -> bool:
         import redis

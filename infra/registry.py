@@ -77,4 +77,5 @@ class SchemaRegistryServer(LocalService):
             "-jar",
             str(app / "quarkus-run.jar"),
         ]
-        return self.process.launch(command, self.ready, timeout_s, cwd=app)
+        ports = {"port": self.port, "management_port": self.management_port}
+        return self.process.launch(command, self.ready, timeout_s, cwd=app, ports=ports)

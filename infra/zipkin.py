@@ -73,7 +73,7 @@ class ZipkinServer(LocalService):
             "--armeria.ports[0].protocols=http",
             "--logging.level.root=WARN",
         ]
-        return self.process.launch(command, self.ready, timeout_s)
+        return self.process.launch(command, self.ready, timeout_s, ports={"port": self.port})
 
     def trace(self, trace_id: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """The spans Zipkin holds of one trace (none: an empty list)."""
