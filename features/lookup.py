@@ -411,7 +411,7 @@ class _ViewRead:
         if nulls:
             self.values[nulls] = np.nan
             self.stamps[nulls] = np.nan
-        view.hits.inc(len(self.keys) - len(self.misses))
+        view.hits.inc(len(self.keys) - len(self.misses) - len(nulls))
         view.staleness.observe(stalest_s)
 
     def read_misses(self, wait: bool = True) -> Any:

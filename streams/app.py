@@ -42,7 +42,7 @@ from streams.freeze import FreezeWatch
 from streams.health import Health
 from streams.infer import Model
 from streams.logs import about, use_json_logs
-from streams.pipeline import Pipeline
+from streams.pipeline import Pipeline, task_problems
 from streams.publish import Publisher
 from streams.records import InputRecord
 from streams.replay import AnsweredBefore, OutcomeTopics
@@ -169,7 +169,8 @@ def inspect_pipeline(
     fallback = found.fallback_model
     if fallback is not None:
         found.fallback = attempt(lambda: _checked_signature(spec, fallback, found.problems))
-    found.problems += _task_problems(spec, found.signature, found.fallback)
+    if found.signature is not None:
+        found.problems += task_problems(spec, found.signature, found.fallback)
     for signature in (found.signature, found.fallback):
         if signature is not None and found.schema is not None:
             found.problems += signature.source_problems(found.fields, found.feature_refs)
@@ -197,28 +198,6 @@ def _checked_signature(spec: PipelineConfig, model: ModelConfig, problems: list[
     graph = [GraphPort(p.name, p.type, tuple(p.shape)) for p in session.get_inputs()]
     problems += batch_problems(signature.name, graph, spec.max_batch_size)
     return signature
-
-
-def _task_problems(
-    spec: PipelineConfig, model: Signature | None, fallback: Signature | None
-) -> list[str]:
-    """What `Pipeline` refuses at construction, found here too so that `check` says it.
-    Keep the messages the same as there."""
-    if model is None:
-        return []
-    task = model.output.task
-    problems = []
-    if fallback is not None and fallback.output.task != task:
-        problems.append(
-            f"pipeline {spec.name}: the fallback model answers a "
-            f"{fallback.output.task} task, the model a {task} one"
-        )
-    if spec.degradation.default_score is not None and task == "multiclass":
-        problems.append(
-            f"pipeline {spec.name}: degradation.default_score does not apply to a "
-            "multiclass model; leave it unset (events no rung answers are shed)"
-        )
-    return problems
 
 
 @dataclass

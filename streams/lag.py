@@ -35,7 +35,6 @@ import asyncio
 import logging
 import threading
 import time
-import warnings
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -159,9 +158,7 @@ class InputProgress:
                 del self._partitions[tp]
             for tp in [tp for tp in self._exported if tp not in marks]:
                 self._exported.discard(tp)
-                with warnings.catch_warnings():  # Feast's import set the multiprocess
-                    warnings.simplefilter("ignore")  # variable; this is one process
-                    metrics.CONSUMER_LAG.remove(self.pipeline, tp[0], str(tp[1]))
+                metrics.CONSUMER_LAG.remove(self.pipeline, tp[0], str(tp[1]))
             for tp, (high_water, position) in marks.items():
                 state = self._partitions.get(tp)
                 if state is None:

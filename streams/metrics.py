@@ -25,6 +25,11 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from features.metrics import SECONDS_BUCKETS
 
+# Feast's import sets prometheus-client's multiprocess variable, and then every label
+# removal warns; a worker is one process. Set once here: `catch_warnings` around each
+# removal would change the process-wide filters from several threads.
+warnings.filterwarnings("ignore", message="Removal of labels", category=UserWarning)
+
 OUTCOMES = Counter(
     "headrace_outcomes",
     "Input events by the outcome written for them: status OK, DEGRADED, SHED or DEAD_LETTER, "
@@ -245,9 +250,8 @@ class PipelineMetrics:
         if old == new:
             return
         self._children.pop((MODEL_INFO, role, *old), None)
-        with contextlib.suppress(KeyError), warnings.catch_warnings():  # KeyError: never
-            warnings.simplefilter("ignore")  # exported; Feast's import set the multiprocess
-            MODEL_INFO.remove(self.pipeline, role, *old)  # variable: this is one process
+        with contextlib.suppress(KeyError):  # never exported
+            MODEL_INFO.remove(self.pipeline, role, *old)
         self._child(MODEL_INFO, role, *new).set(1)
 
     def missing_features(self, view: str) -> Counter:

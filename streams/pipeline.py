@@ -27,6 +27,7 @@ from features.cache import FeatureCache
 from features.errors import StoreUnavailable
 from features.lookup import FeatureLookup, FeatureRows
 from models.errors import ModelError
+from models.signature import Signature
 from streams import metrics
 from streams.admit import NON_FINITE, Admission, Candidate, Estimates, Route
 from streams.config import PipelineConfig
@@ -103,17 +104,10 @@ class Pipeline:
         self._publisher = publisher
         self._clock = clock
         output = model.signature.output
-        if fallback is not None and fallback.signature.output.task != output.task:
-            raise ConfigError(
-                f"pipeline {config.name}: the fallback model answers a "
-                f"{fallback.signature.output.task} task, the model a {output.task} one"
-            )
+        problems = task_problems(config, model.signature, fallback and fallback.signature)
+        if problems:
+            raise ConfigError(problems[0])
         default = config.degradation.default_score
-        if default is not None and output.task == "multiclass":
-            raise ConfigError(
-                f"pipeline {config.name}: degradation.default_score does not apply to a "
-                "multiclass model; leave it unset (events no rung answers are shed)"
-            )
         self._default_answer = None if default is None else output.fixed(default)
         self._shed_answer = output.unanswered()
         self._answer_fields = self._identity_of(model)
@@ -494,6 +488,25 @@ class Pipeline:
         for status, seconds in latencies.items():
             metrics.observe_many(measure.end_to_end(status), seconds)
         measure.in_budget(in_budget)
+
+
+def task_problems(
+    config: PipelineConfig, model: Signature, fallback: Signature | None
+) -> list[str]:
+    """What the pipeline refuses of its models' tasks (`check` reports them too)."""
+    task = model.output.task
+    problems = []
+    if fallback is not None and fallback.output.task != task:
+        problems.append(
+            f"pipeline {config.name}: the fallback model answers a {fallback.output.task} "
+            f"task, the model a {task} one"
+        )
+    if config.degradation.default_score is not None and task == "multiclass":
+        problems.append(
+            f"pipeline {config.name}: degradation.default_score does not apply to a "
+            "multiclass model; leave it unset (events no rung answers are shed)"
+        )
+    return problems
 
 
 def finite_answer(answer: dict[str, Any]) -> bool:
