@@ -21,6 +21,7 @@ import logging
 import os
 import sqlite3
 import struct
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -52,6 +53,8 @@ REDIS_SOCKET_TIMEOUT_S = 1.0
 # Serialized entity keys kept per reader (see `OnlineViewReader._stored_keys`): about
 # 10 MB at most.
 MAX_KEY_BLOBS = 100_000
+# How often a per-key SQLite read checks that the store file is the one it opened.
+FILE_CHECK_S = 1.0
 # Stored values read as numbers; any other (text, bytes, lists) reads as missing.
 NUMERIC_KINDS = frozenset(
     {"double_val", "float_val", "int32_val", "int64_val", "bool_val", "unix_timestamp_val"}
@@ -373,12 +376,15 @@ class _SqliteTable:
         self._opened: dict[bool | str, tuple[int, int] | None] = {}
         self._file: tuple[int, int] | None = None
         self._files_seen = 0
+        self._file_checked_at = 0.0
 
     def read(self, blobs: Sequence[bytes], wait: bool = True) -> ViewRows:
         """The rows of `blobs` (serialized entity keys); `wait`: for a writer's lock."""
         width = len(self._columns)
         if not blobs:
             return ViewRows(np.empty((0, width)), np.empty(0))
+        if time.monotonic() - self._file_checked_at >= FILE_CHECK_S:
+            self._check_file()  # per-key reads too (the whole view checks its own way)
         unique = list(dict.fromkeys(blobs))
         placeholders = "(" + ",".join("?" * len(unique)) + ")"
         found, stored_ts = self._gather(
@@ -416,6 +422,16 @@ class _SqliteTable:
         changes when any other connection (a materialization, a push) commits. A store
         file replaced since is reopened (every connection, at its next use); a deleted
         one raises (FileNotFoundError), and reads fail from then on."""
+        self._check_file()
+        (data_version,) = self._connect("whole").execute("PRAGMA data_version").fetchone()
+        # A new file's connection starts its data_version again: the count of files
+        # seen tells its versions apart.
+        return (self._files_seen << 32) + data_version
+
+    def _check_file(self) -> None:
+        """Note a store file replaced since (each connection reopens it at its next use)
+        or deleted (FileNotFoundError, from here and from every later connection)."""
+        self._file_checked_at = time.monotonic()
         try:
             file = _identity(self._path)
         except FileNotFoundError:
@@ -425,10 +441,6 @@ class _SqliteTable:
             if self._file is not None:
                 self._files_seen += 1
             self._file = file
-        (data_version,) = self._connect("whole").execute("PRAGMA data_version").fetchone()
-        # A new file's connection starts its data_version again: the count of files
-        # seen tells its versions apart.
-        return (self._files_seen << 32) + data_version
 
     def _gather(self, rows: Iterable) -> tuple[dict[bytes, list[float]], dict[bytes, Any]]:
         """Per entity key, its requested values (NaN where null) and its event time."""

@@ -224,8 +224,12 @@ async def _true(value: bool) -> bool:
     return value
 
 
-async def test_a_replaced_store_file_is_read_and_a_deleted_one_is_an_outage(repo):
-    lookup = lookup_of(repo, whole=True, max_staleness_s=2.0)
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-view", "per-key"])
+async def test_a_replaced_store_file_is_read_and_a_deleted_one_is_an_outage(repo, whole):
+    if whole:
+        lookup = lookup_of(repo, whole=True, max_staleness_s=2.0)
+    else:
+        lookup = lookup_of(repo, whole=False, max_entries=0)
     database = repo / "data" / "online_store.db"
     try:
         before = (await lookup.fetch([KNOWN])).columns["user_stats__txn_count_7d"][0]
