@@ -59,6 +59,10 @@ class Prepared:
     to_run: dict[Route, list[Item]] | None = None
     """The events of each model run (full, fallback) not done yet, taken at the first
     attempt of `infer`: a retry runs only these (None: not attempted)."""
+    canary_runs: dict[str, float | None] = field(default_factory=dict)
+    """Of a canary batch's full run, the parts done and their seconds: the serving
+    version's share, the candidate's (None: it failed), the serving version's run on
+    the canary's share after a failure ("again")."""
     rescue_seconds: float = 0.0
     """Seconds of the fallback model's run on the full model's NaN or infinite answers:
     those events' inference time, kept out of `run_seconds` (the estimator's)."""
@@ -297,23 +301,8 @@ class Pipeline:
         serving = prepared.serving
         if route is Route.FULL and serving.canary:
             items, canary = serving.split(items)
-            for item in canary:
-                item.candidate = True
             if canary:
-                answered = [model.run(items, prepared.rows)] if items else []
-                *ran, candidate_s = await asyncio.gather(
-                    *answered, self._run_candidate(serving, canary, prepared.rows)
-                )
-                seconds = ran[0] if ran else 0.0
-                if items:
-                    serving.meter.record(seconds, [item.answer for item in items])
-                if candidate_s is None:  # it failed: the serving version answers its share
-                    again_s = await model.run(canary, prepared.rows)
-                    serving.meter.record(again_s, [item.answer for item in canary])
-                    seconds += again_s
-                else:
-                    prepared.candidate_seconds = candidate_s
-                await self._answered(prepared, route, [*items, *canary], seconds)
+                await self._run_canary(prepared, model, items, canary)
                 return
         if not items:
             return
@@ -321,6 +310,41 @@ class Pipeline:
         if route is Route.FULL:
             serving.meter.record(seconds, [item.answer for item in items])
         await self._answered(prepared, route, items, seconds)
+
+    async def _run_canary(
+        self, prepared: Prepared, model: Model, items: list[Item], canary: list[Item]
+    ) -> None:
+        """The serving version on `items` and the candidate on `canary`, at once; the
+        serving version answers the canary's share too if the candidate failed. A retry
+        (`infer`'s) runs only the parts not done (`Prepared.canary_runs`): none is run
+        or metered twice."""
+        serving, rows, done = prepared.serving, prepared.rows, prepared.canary_runs
+        parts: dict[str, Any] = {}
+        if items and "serving" not in done:
+            parts["serving"] = model.run(items, rows)
+        if "candidate" not in done:
+            for item in canary:
+                item.candidate = True
+            parts["candidate"] = self._run_candidate(serving, canary, rows)
+        outcomes = await asyncio.gather(*parts.values(), return_exceptions=True)
+        failed = None
+        for part, outcome in zip(parts, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                failed = failed or outcome
+                continue
+            done[part] = outcome
+            if part == "serving":
+                serving.meter.record(outcome, [item.answer for item in items])
+        if failed is not None:
+            raise failed
+        if done["candidate"] is None and "again" not in done:
+            # It failed: the serving version answers its share.
+            done["again"] = await model.run(canary, rows)
+            serving.meter.record(done["again"], [item.answer for item in canary])
+        if done["candidate"] is not None:
+            prepared.candidate_seconds = done["candidate"]
+        seconds = done.get("serving", 0.0) + done.get("again", 0.0)
+        await self._answered(prepared, Route.FULL, [*items, *canary], seconds)
 
     async def _run_candidate(
         self, serving: Serving, canary: list[Item], rows: FeatureRows | None

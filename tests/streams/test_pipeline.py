@@ -507,3 +507,52 @@ def test_the_model_info_series_follows_a_switch():
         if s.labels["pipeline"] == built.config.name and s.labels["model"] == "full"
     }
     assert served == {("full", "2"): 1.0}
+
+
+@pytest.mark.parametrize("fails", ["serving", "again"])
+def test_a_retried_canary_batch_runs_and_counts_only_the_part_that_failed(fails):
+    """A canary batch whose serving run fails once (or, the candidate having failed, its
+    serving run on the canary's share): the runner's retry runs only that part, so no
+    guardrail sample is counted twice and no answer is taken from a run done twice."""
+    built, parts = pipeline()
+    full, serving = parts["full"], built.serving.model
+    candidate = FakePool("full", ("amount", *STORE), 0.3, version="2")
+    if fails == "again":
+        candidate = BrokenPool("full", ("amount", *STORE), 0.3, version="2")
+    built.use(Serving(serving, Model(candidate, FIELDS, STORE), "canary", 50.0))
+    answer, runs = full.run_timed, []
+
+    async def fails_once(feeds):
+        runs.append(len(next(iter(feeds.values()))))
+        if len(runs) == (1 if fails == "serving" else 2):
+            raise ModelError("transient: CUDA out of memory")
+        return await answer(feeds)
+
+    full.run_timed = fails_once
+    batch = [r._replace(key=b"k%d" % i) for i, r in enumerate(records([0.010] * 8))]
+
+    async def stages() -> None:
+        items = await parts["decoder"].decode(batch, list(range(8)))
+        prepared = built.prepare(items)
+        built.route(prepared.admitted, FAST)
+        await built.read_features(prepared)
+        with pytest.raises(ModelError):
+            await built.infer(prepared)
+        await built.infer(prepared)  # the runner's retry
+        await built.publish(prepared)
+
+    asyncio.run(stages())
+    decoder = AvroDecoder(LocalCatalogue(), "prediction.avsc")
+    versions = [decoder.decode(r.value)["model_version"] for r in parts["publisher"].records]
+    canaried = versions.count("2")
+    assert len(versions) == 8 and 0 < runs[0] < 8  # both sides had events
+    samples = [(s.answers, s.errors) for s in built.serving.meter.samples]
+    if fails == "serving":  # the candidate answered its share once
+        assert 0 < canaried < 8 and candidate.rows == canaried
+        assert [(s.answers, s.errors) for s in built.serving.candidate_meter.samples] == [
+            (canaried, 0)
+        ]
+        assert samples == [(8 - canaried, 0)]
+    else:  # the serving version answered everything, each share counted once
+        assert canaried == 0 and full.rows == 8
+        assert sorted(samples) == sorted([(runs[0], 0), (8 - runs[0], 0)])
