@@ -159,6 +159,24 @@ def run(built: Pipeline, parts: dict, batch: list[InputRecord], estimates: Estim
     ]
 
 
+def run_with_a_retried_inference(
+    built: Pipeline, parts: dict, batch: list[InputRecord], estimates: Estimates
+) -> None:
+    """`run`, its inference failing once with a ModelError and retried, as the runner does."""
+
+    async def stages() -> None:
+        items = await parts["decoder"].decode(batch, list(range(len(batch))))
+        prepared = built.prepare(items)
+        built.route(prepared.admitted, estimates)
+        await built.read_features(prepared)
+        with pytest.raises(ModelError):
+            await built.infer(prepared)
+        await built.infer(prepared)  # the runner's retry
+        await built.publish(prepared)
+
+    asyncio.run(stages())
+
+
 FAST = Estimates(full_s=lambda n: 0.010, fallback_s=0.002)
 # Budget 100 ms, of which admission keeps 10 in hand; low priority (0) may use half.
 SLOW = Estimates(full_s=lambda n: 0.055, fallback_s=0.002)
@@ -382,18 +400,7 @@ def test_a_retried_inference_runs_and_counts_only_the_model_that_failed():
     inference = built.metrics.stage["inference"]
     before = inference._sum.get()
     batch = records([0.010, 0.050])  # in full; only the fallback model in time
-
-    async def stages() -> None:
-        items = await parts["decoder"].decode(batch, [0, 1])
-        prepared = built.prepare(items)
-        built.route(prepared.admitted, SLOW)
-        await built.read_features(prepared)
-        with pytest.raises(ModelError):
-            await built.infer(prepared)
-        await built.infer(prepared)  # the runner's retry
-        await built.publish(prepared)
-
-    asyncio.run(stages())
+    run_with_a_retried_inference(built, parts, batch, SLOW)
     decoder = AvroDecoder(LocalCatalogue(), "prediction.avsc")
     full, late = (decoder.decode(r.value) for r in parts["publisher"].records)
     assert (full["status"], full["model_name"]) == ("OK", "full")
@@ -530,18 +537,7 @@ def test_a_retried_canary_batch_runs_and_counts_only_the_part_that_failed(fails)
 
     full.run_timed = fails_once
     batch = [r._replace(key=b"k%d" % i) for i, r in enumerate(records([0.010] * 8))]
-
-    async def stages() -> None:
-        items = await parts["decoder"].decode(batch, list(range(8)))
-        prepared = built.prepare(items)
-        built.route(prepared.admitted, FAST)
-        await built.read_features(prepared)
-        with pytest.raises(ModelError):
-            await built.infer(prepared)
-        await built.infer(prepared)  # the runner's retry
-        await built.publish(prepared)
-
-    asyncio.run(stages())
+    run_with_a_retried_inference(built, parts, batch, FAST)
     decoder = AvroDecoder(LocalCatalogue(), "prediction.avsc")
     versions = [decoder.decode(r.value)["model_version"] for r in parts["publisher"].records]
     canaried = versions.count("2")
