@@ -44,12 +44,17 @@ T = TypeVar("T")
 
 
 def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` without the keys `cls` does not have (written by a newer CLI, say)."""
+    """`raw` without the keys `cls` does not have (written by a newer CLI, say); each
+    such set of keys is logged once (the topics are read again and again)."""
     names = {f.name for f in fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        log.warning("%s: ignoring unknown fields %s", cls.__name__, unknown)
+    unknown = tuple(sorted(set(raw) - names))
+    if unknown and (cls.__name__, unknown) not in _WARNED:
+        _WARNED.add((cls.__name__, unknown))
+        log.warning("%s: ignoring unknown fields %s", cls.__name__, list(unknown))
     return {k: v for k, v in raw.items() if k in names}
+
+
+_WARNED: set[tuple[str, tuple[str, ...]]] = set()
 
 
 @dataclass(frozen=True)

@@ -188,3 +188,13 @@ def test_records_that_do_not_parse_are_skipped_and_the_follower_goes_on(topic, c
     assert any(f"{TOPIC} offset 1:" in line for line in skipped), skipped
     assert any(f"{TOPIC} offset 3:" in line and "window_s" in line for line in skipped), skipped
     assert any(f"{TOPIC} offset 4:" in line for line in skipped), skipped
+
+
+def test_unknown_fields_of_a_newer_writer_are_logged_once_not_at_every_read(caplog):
+    """`models status --wait` reads the status topic twice a second: a newer worker's
+    heartbeat would log the same warning each time."""
+    raw = json.dumps({"pipeline": "fraud", "serving": "2", "from_a_newer_cli": 1}).encode()
+    with caplog.at_level(logging.WARNING, logger="streams.control"):
+        for _ in range(5):
+            assert Desired.from_json(raw).serving == "2"
+    assert sum("from_a_newer_cli" in r.getMessage() for r in caplog.records) <= 1
