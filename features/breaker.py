@@ -69,7 +69,8 @@ class StoreBreaker:
         return Access.REFUSED
 
     def probe_unused(self) -> None:
-        """The probe's batch needed no read: open again, the next read probes at once."""
+        """The probe did not read the store (its batch needed no read, or it ended
+        before it could report back): open again, the next read probes at once."""
         if self.state is BreakerState.PROBING:
             self._change(BreakerState.OPEN, "the probe's batch needed no read")
 

@@ -198,6 +198,18 @@ class FeatureLookup:
         The cache is probed here, on the event loop: only the misses go to the store
         thread, so a batch the cache answers costs no thread hand-off."""
         access = self.breaker.allow()
+        if access is not Access.PROBE:
+            return await self._fetch(events, timeout_s, access)
+        try:
+            return await self._fetch(events, timeout_s, access)
+        finally:
+            # A probe that did not report back (a bug, or its batch cancelled while it
+            # read) would leave the breaker probing, every later read refused for good.
+            self.breaker.probe_unused()
+
+    async def _fetch(
+        self, events: Sequence[Mapping[str, Any]], timeout_s: float | None, access: Access
+    ) -> FeatureRows:
         # The probe of a store that was down must read it, even what memory holds; the
         # batches beside it are answered from memory as while it was down.
         probe = access is Access.PROBE
@@ -205,8 +217,6 @@ class FeatureLookup:
         parts = [_ViewRead(view, events, now_s, use_cache=not probe) for view in self._views]
         reading = [part for part in parts if part.misses]
         if not reading:
-            if probe:
-                self.breaker.probe_unused()
             return self._rows(parts, len(events))
         try:
             if not access:
@@ -217,8 +227,8 @@ class FeatureLookup:
             if fresh is None:
                 fresh = await self._read_store(reading, timeout_s)
         except StoreUnavailable as exc:
-            if probe:  # a failed probe still answers what memory holds
-                parts = [_ViewRead(view, events, now_s) for view in self._views]
+            if probe:  # a failed probe still answers what memory holds (metered once)
+                parts = [_ViewRead(view, events, now_s, metered=False) for view in self._views]
             exc.in_memory = self._in_memory(parts, len(events))
             raise
         for part, rows in zip(reading, fresh, strict=True):
@@ -364,7 +374,7 @@ class _ViewRead:
 
     def __init__(
         self, view: _View, events: Sequence[Mapping[str, Any]], now_s: float,
-        use_cache: bool = True,
+        use_cache: bool = True, metered: bool = True,
     ) -> None:  # fmt: skip
         self.view = view
         slot_of: dict[tuple, int] = {}
@@ -411,8 +421,9 @@ class _ViewRead:
         if nulls:
             self.values[nulls] = np.nan
             self.stamps[nulls] = np.nan
-        view.hits.inc(len(self.keys) - len(self.misses) - len(nulls))
-        view.staleness.observe(stalest_s)
+        if metered:
+            view.hits.inc(len(self.keys) - len(self.misses) - len(nulls))
+            view.staleness.observe(stalest_s)
 
     def read_misses(self, wait: bool = True) -> Any:
         """Blocking: the store's rows of the misses (`wait`: see `OnlineViewReader.read`)."""

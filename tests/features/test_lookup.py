@@ -195,3 +195,70 @@ def test_a_warm_up_of_a_store_not_materialized_yet_is_logged_not_raised(
     finally:
         client.close()
     assert "warm-up read failed" in caplog.text
+
+
+def test_a_probe_cancelled_while_it_reads_hands_the_probe_back(store, sample_assets):
+    # The probe's batch ends before its read does (its partition revoked, the worker
+    # stopping): the breaker must not stay probing, refusing every later read.
+    client = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS, FeatureCacheConfig(max_entries=0))
+    now = [0.0]
+    client.breaker = StoreBreaker(1, 1.0, lambda: now[0], client._breaker_changed)
+    client.breaker.failed("down")
+    events = [{"user_id": "u0000003", "merchant_id": "m000010"}]
+    database = sample_assets.repo / "data" / "online_store.db"
+    now[0] = 1.0  # a probe is due
+
+    async def cancel_the_probe() -> None:
+        probing = asyncio.ensure_future(client.fetch(events, timeout_s=30.0))
+        await asyncio.sleep(0)  # the probe has started its read
+        assert client.breaker.state is BreakerState.PROBING
+        probing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probing
+
+    lock = sqlite3.connect(database, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        asyncio.run(cancel_the_probe())
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    try:
+        assert client.breaker.state is BreakerState.OPEN
+        rows = asyncio.run(client.fetch(events, timeout_s=10.0))  # probes again at once
+        assert rows.columns["user_stats__txn_count_7d"].shape == (1,)
+        assert client.breaker.state is BreakerState.CLOSED
+    finally:
+        client.close()
+
+
+def test_a_failed_probe_counts_each_key_once(store, sample_assets):
+    # The probe reads every key, the cached ones too; when it fails, the batch is answered
+    # from memory without counting those keys again as hits.
+    client = FeatureLookup(store, "fraud_scoring", ENTITY_FIELDS, FeatureCacheConfig())
+    now = [0.0]
+    client.breaker = StoreBreaker(1, 1.0, lambda: now[0], client._breaker_changed)
+    events = [{"user_id": "u0000003", "merchant_id": "m000010"}]
+    views = client._views
+    try:
+        asyncio.run(client.fetch(events, timeout_s=10.0))  # cached from now on
+        client.breaker.failed("down")
+        now[0] = 1.0  # a probe is due; the store is locked
+        counted = [(v.hits._value.get(), v.misses._value.get()) for v in views]
+        database = sample_assets.repo / "data" / "online_store.db"
+        lock = sqlite3.connect(database, isolation_level=None)
+        try:
+            lock.execute("BEGIN EXCLUSIVE")
+            with pytest.raises(StoreUnavailable) as failed:
+                asyncio.run(client.fetch(events, timeout_s=0.05))
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        assert all(failed.value.in_memory.answered)
+        now_counted = [(v.hits._value.get(), v.misses._value.get()) for v in views]
+        added = [
+            (h1 - h0, m1 - m0) for (h0, m0), (h1, m1) in zip(counted, now_counted, strict=True)
+        ]
+        assert added == [(0, 1)] * len(views)
+    finally:
+        client.close()
