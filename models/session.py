@@ -59,12 +59,9 @@ def signature_of(config: ModelConfig, session) -> Signature:
     """The resolved signature of a loaded session (ModelError lists every mismatch). It
     runs the model once on a row of zeros: that shows a ZipMap's class labels, and pays
     the session's one-time set-up before anything is timed."""
-    ports = [
-        [GraphPort(p.name, p.type, tuple(p.shape)) for p in ports]
-        for ports in (session.get_inputs(), session.get_outputs())
-    ]
     metadata = session.get_modelmeta().custom_metadata_map
-    signature = resolve(config, ports[0], ports[1], metadata)
+    inputs, outputs = graph_ports(session.get_inputs()), graph_ports(session.get_outputs())
+    signature = resolve(config, inputs, outputs, metadata)
     feeds = {tensor.name: tensor.zeros(1) for tensor in signature.inputs}
     try:
         first = session.run([signature.output.tensor], feeds)[0]
@@ -79,6 +76,11 @@ def signature_of(config: ModelConfig, session) -> Signature:
             f"from {source}: describe the inputs in model.inputs, or export the model again"
         ) from exc
     return dataclasses.replace(signature, output=signature.output.learn_classes(first))
+
+
+def graph_ports(ports) -> list[GraphPort]:
+    """A session's inputs or outputs (ONNX Runtime's `NodeArg`s) as the signature sees them."""
+    return [GraphPort(port.name, port.type, tuple(port.shape)) for port in ports]
 
 
 def _ort_message(exc: Exception) -> str:

@@ -24,8 +24,8 @@ from infra.topics import ensure_topics
 from models.config import ModelConfig
 from models.pool import SessionPool, warmup_sizes
 from models.registry import resolve_model
-from models.session import load_session, signature_of
-from models.signature import GraphPort, Signature, batch_problems
+from models.session import graph_ports, load_session, signature_of
+from models.signature import Signature, batch_problems
 from schemas.catalogue import LocalCatalogue, SchemaCatalogue, open_catalogue, read_schema_file
 from schemas.codec import AvroDecoder, AvroEncoder
 from schemas.errors import HeadraceError
@@ -195,8 +195,9 @@ def _checked_signature(spec: PipelineConfig, model: ModelConfig, problems: list[
     """The model's signature; and, into `problems`, a batch size its graph cannot take."""
     session = load_session(model)
     signature = signature_of(model, session)
-    graph = [GraphPort(p.name, p.type, tuple(p.shape)) for p in session.get_inputs()]
-    problems += batch_problems(signature.name, graph, spec.max_batch_size)
+    problems += batch_problems(
+        signature.name, graph_ports(session.get_inputs()), spec.max_batch_size
+    )
     return signature
 
 

@@ -6,7 +6,8 @@
            runtime's poll thread also turned within it. A worker still starting is live.
            Progress is kept per pipeline: one that answers does not hide another that
            is stuck (a hung model run), and the problem names the stuck one.
-    ready  models warmed, the group joined (partitions assigned, possibly none), a
+    ready  models warmed, the group joined (partitions assigned, possibly none; not
+           while the group has dropped the worker and it rejoins), a
            bootstrap broker accepts a connection, every feature store's breaker is
            closed, and the worker is not draining.
 
@@ -54,6 +55,7 @@ class Health:
         """Per pipeline, its count of records handed to its runner and not answered."""
         self._warmed = False
         self._joined = False
+        self._lost_group = False
         self._on_join: list[Callable[[], None]] = []
         self._on_revoke: list[Callable[[], None]] = []
         self._draining = False
@@ -91,9 +93,16 @@ class Health:
     def joined(self, yes: bool) -> None:
         """The consumer joined its group (an assignment came), or lost it."""
         self._joined = yes
+        self._lost_group = False
         if yes:
             for listener in self._on_join:
                 listener()
+
+    def lost_group(self) -> None:
+        """The group dropped this worker (its session lapsed: the broker was out of
+        reach, or the process frozen); it is not ready until it rejoins."""
+        self._joined = False
+        self._lost_group = True
 
     def on_join(self, listener: Callable[[], None]) -> None:
         """Call `listener` at every assignment (from the consumer's thread)."""
@@ -150,6 +159,8 @@ class Health:
             problems.append("starting: models warming up")
         elif self._loop is None:
             problems.append("starting: consumer not running yet")
+        elif self._lost_group:
+            problems.append("consumer group lost this worker (session lapsed); rejoining")
         elif not self._joined:
             problems.append("consumer group not joined yet")
         for lookup in self._lookups:

@@ -357,6 +357,7 @@ class BareConsumer:
         what is left ends the worker (exit 70) before it rejoins, so no retry commits
         those partitions' offsets under a later generation while another member owns
         them."""
+        self._health.lost_group()
         eos = self._transactions is not None
         self._finish(partitions, self._revoke_timeout_s / 2 if eos else LOST_WAIT_S)
         self._membership.released()

@@ -118,6 +118,10 @@ def test_ready_needs_warm_models_a_group_a_closed_breaker_and_no_drain(running_l
     lookup.breaker.state = BreakerState.OPEN
     assert health.ready() == ["feature store of 'svc' unavailable"]
     lookup.breaker.state = BreakerState.CLOSED
+    health.lost_group()  # dropped by the group: not ready until it rejoins
+    assert health.ready() == ["consumer group lost this worker (session lapsed); rejoining"]
+    health.joined(True)
+    assert health.ready() == []
     health.draining()
     assert health.ready() == ["draining: stopping"]
     assert health.answer(READY_PATH) == (503, "draining: stopping\n")
