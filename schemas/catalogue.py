@@ -15,13 +15,16 @@ still decodes the ids it met before and frames its answers with the id it was gi
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -131,12 +134,18 @@ class LocalCatalogue:
         return schema_id
 
 
+# How long a worker waits for another's merge into the known-schemas file.
+LOCK_TIMEOUT_S = 2.0
+
+
 class KnownSchemas:
     """Ids and schemas a registry gave, kept in a JSON file: `{"ids": {id: schema},
     "subjects": {subject: {schema text: id}}}`. Written whole and renamed into place;
-    workers sharing the file merge what they learned, and a lost race loses nothing
-    the registry cannot answer again. The registry's own answers come first: the file
-    stands in only while it cannot answer. No file (None): memory only."""
+    workers sharing the file merge what they learned, one at a time (a lock file beside
+    it): two merging at once each wrote what it had read, and one's entry was lost,
+    unknown to a worker restarted while the registry is down. The registry's own
+    answers come first: the file stands in only while it cannot answer. No file
+    (None): memory only."""
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
@@ -178,16 +187,34 @@ class KnownSchemas:
     def _save(self) -> None:
         if self._path is None:
             return
-        self._merge(self._read())  # what other workers learned meanwhile
-        data = {"ids": {str(i): s for i, s in self.ids.items()}, "subjects": self.subjects}
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(dir=self._path.parent, suffix=".tmp")
-            with os.fdopen(handle, "w") as out:
-                json.dump(data, out)
-            os.replace(temporary, self._path)
+            with _locked(self._path.with_name(self._path.name + ".lock")):
+                self._merge(self._read())  # what other workers learned meanwhile
+                data = {"ids": {str(i): s for i, s in self.ids.items()}, "subjects": self.subjects}
+                handle, temporary = tempfile.mkstemp(dir=self._path.parent, suffix=".tmp")
+                with os.fdopen(handle, "w") as out:
+                    json.dump(data, out)
+                os.replace(temporary, self._path)
         except OSError as exc:  # a cache: serving goes on without it
             log.warning("could not write the known-schemas file %s: %s", self._path, exc)
+
+
+@contextmanager
+def _locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """An exclusive lock on `path` between processes, released on leaving; OSError when
+    another holds it past `timeout_s` (a stuck writer must not stop a worker)."""
+    with open(path, "a") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise OSError(f"{path} stayed locked for {timeout_s:g} s") from None
+                time.sleep(0.01)  # a merge takes milliseconds
+        yield  # closing the file releases the lock
 
 
 def _text(schema: dict[str, Any]) -> str:
