@@ -149,9 +149,10 @@ class AnsweredBefore:
     def _check(
         self, consumer: Consumer, wanted: list[Partition], started: float
     ) -> dict[Partition, Replay]:
+        deadline = started + CHECK_TIMEOUT_S  # the whole check's, its first calls too
         try:
-            windows, handed_over = self._uncommitted(consumer, wanted)
-        except KafkaException as exc:
+            windows, handed_over = self._uncommitted(consumer, wanted, deadline)
+        except (KafkaException, TimeoutError) as exc:
             log.warning(
                 "could not read the committed offsets of %d newly assigned partitions "
                 "(%s); inputs answered before a crash may be answered again, unmarked",
@@ -163,7 +164,7 @@ class AnsweredBefore:
         if self._lookback_s <= 0 or not windows:  # nothing to read back: mark them
             return {**checked, **unchecked}
         try:
-            found, reached = self._scan(consumer, windows, started + CHECK_TIMEOUT_S)
+            found, reached = self._scan(consumer, windows, deadline)
         except (KafkaException, RegistryError, TimeoutError) as exc:
             log.warning(
                 "could not read back the answers of %d newly assigned partitions (%s); "
@@ -219,15 +220,15 @@ class AnsweredBefore:
 
     @staticmethod
     def _uncommitted(
-        consumer: Consumer, wanted: list[Partition]
+        consumer: Consumer, wanted: list[Partition], deadline: float
     ) -> tuple[dict[Partition, range], set[Partition]]:
         """The inputs past the committed offset of each partition that has some (from the
         log start where the group never committed), and which of those partitions the
         group did commit (handed over: a previous owner may have answered them)."""
         asked = [KafkaPartition(topic, partition) for topic, partition in wanted]
         windows, handed_over = {}, set()
-        for tp in consumer.committed(asked, timeout=_REQUEST_TIMEOUT_S):
-            low, high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)
+        for tp in consumer.committed(asked, timeout=_left(deadline)):
+            low, high = consumer.get_watermark_offsets(tp, timeout=_left(deadline))
             start = low if tp.offset == OFFSET_INVALID else max(tp.offset, low)
             if start < high:
                 windows[(tp.topic, tp.partition)] = range(start, high)
@@ -263,6 +264,15 @@ class AnsweredBefore:
         return stamps
 
 
+def _left(deadline: float) -> float:
+    """The timeout of one broker request of a check that must end by `deadline`: one
+    request per partition at a full 5 s each blocked the bare poll thread for a minute."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the read-back ran out of time")
+    return min(_REQUEST_TIMEOUT_S, left)
+
+
 def _read_since(
     consumer: Consumer,
     topic: str,
@@ -271,13 +281,13 @@ def _read_since(
     handle: Callable[[Message], None],
 ) -> None:
     """Hand every record of `topic` written since `since_ms`, up to the current end."""
-    metadata = consumer.list_topics(topic, timeout=_REQUEST_TIMEOUT_S).topics.get(topic)
+    metadata = consumer.list_topics(topic, timeout=_left(deadline)).topics.get(topic)
     if metadata is None or metadata.error is not None:
         return  # not created yet: nothing was written to it
     asked = [KafkaPartition(topic, p, int(since_ms)) for p in metadata.partitions]
     starts, stops = {}, {}
-    for tp in consumer.offsets_for_times(asked, timeout=_REQUEST_TIMEOUT_S):
-        high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)[1]
+    for tp in consumer.offsets_for_times(asked, timeout=_left(deadline)):
+        high = consumer.get_watermark_offsets(tp, timeout=_left(deadline))[1]
         if 0 <= tp.offset < high:  # -1: nothing written since then
             starts[tp.partition], stops[tp.partition] = tp.offset, high
     read_range(consumer, topic, starts, stops, handle, deadline)
