@@ -40,6 +40,7 @@ from feast.type_map import python_values_to_proto_values
 from feast.types import Bool, Float32, Float64, Int32, Int64, UnixTimestamp
 from feast.value_type import ValueType
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from features.errors import FeatureStoreError
@@ -518,12 +519,34 @@ def _redis_fails_fast(provider: Any, config: Any) -> None:
     online_store = getattr(provider, "online_store", None)
     if not isinstance(online_store, RedisOnlineStore):
         return
-    client = online_store._get_client(config)  # made once, kept by the store
+    if online_store._client is None:
+        # A Redis Cluster or Sentinel client connects as it is made: with the timeouts
+        # set only afterwards, a silent node held the worker's start for ever.
+        config = _with_socket_timeouts(config)
+    try:
+        client = online_store._get_client(config)  # made once, kept by the store
+    except (RedisError, RedisClusterException) as exc:
+        raise FeatureStoreError(
+            f"could not reach the Redis online store at {config.connection_string!r}: "
+            f"{exc}; hint: check that it runs and that the worker can reach it"
+        ) from exc
     client.set_retry(Retry(NoBackoff(), 1))
     for pool in _connection_pools(client):
         for setting in ("socket_timeout", "socket_connect_timeout"):
             if pool.connection_kwargs.get(setting) is None:
                 pool.connection_kwargs[setting] = REDIS_SOCKET_TIMEOUT_S
+
+
+def _with_socket_timeouts(config: Any) -> Any:
+    """The Redis store config with socket timeouts in its connection string (Feast passes
+    its `key=value` parts to the client), unless the user set them there."""
+    given = config.connection_string
+    missing = [f"{setting}={REDIS_SOCKET_TIMEOUT_S}"
+               for setting in ("socket_timeout", "socket_connect_timeout")
+               if f"{setting}=" not in given]  # fmt: skip
+    if not missing:
+        return config
+    return config.model_copy(update={"connection_string": ",".join([given, *missing])})
 
 
 def _connection_pools(client: Any) -> list[Any]:
