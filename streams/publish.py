@@ -113,15 +113,23 @@ _STOPPED = frozenset(
 def topic_limits(bootstrap_servers: str, topics: Sequence[str], timeout_s: float = 10.0) -> dict:
     """Each topic's `max.message.bytes` (its own, or the broker's default), read with
     the admin API. Blocks up to about `timeout_s`; KafkaException when it cannot."""
+    found = topic_settings(bootstrap_servers, topics, "max.message.bytes", timeout_s)
+    return {topic: int(value) for topic, value in found.items()}
+
+
+def topic_settings(
+    bootstrap_servers: str, topics: Sequence[str], setting: str, timeout_s: float = 10.0
+) -> dict[str, str]:
+    """Each topic's value of a topic config (its own, or the broker's default), read
+    with the admin API. Blocks up to about `timeout_s`; KafkaException when it cannot."""
     # Its librdkafka log lines go to the worker's log, not raw to stderr.
     admin = AdminClient(client_settings(bootstrap_servers, "admin", timeout_s))
     resources = [ConfigResource(ResourceType.TOPIC, topic) for topic in topics]
     futures = admin.describe_configs(resources, request_timeout=timeout_s)
-    limits = {}
-    for resource, future in futures.items():
-        entries = future.result(timeout=timeout_s)
-        limits[resource.name] = int(entries["max.message.bytes"].value)
-    return limits
+    return {
+        resource.name: future.result(timeout=timeout_s)[setting].value
+        for resource, future in futures.items()
+    }
 
 
 class _Producer:

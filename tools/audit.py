@@ -5,7 +5,9 @@ offsets, and the output and dead-letter topics up to their ends, and matches the
 outcomes to the inputs by the (topic, partition, offset) each outcome names. It
 reports per input partition the inputs without an outcome, the inputs with more
 than one, and the outcomes per status; outcomes of offsets at or past the committed
-one (in flight, or written before a crash) are counted apart, they are not errors.
+one (in flight, or written before a crash), and of inputs retention deleted, are
+counted apart, they are not errors. A compacted output topic is named where answers
+are missing: compaction, not the workers, may have removed them.
 The worker's `headrace_outcomes_total` counters reconcile with these totals.
 """
 
@@ -37,6 +39,7 @@ from schemas.codec import AvroDecoder
 from schemas.errors import DecodeError
 from streams.config import HeadraceConfig, PipelineConfig
 from streams.errors import HeadraceError
+from streams.publish import topic_settings
 from streams.replay import input_named, input_of_dead_letter
 from tools.answers import answer_decoder
 
@@ -73,6 +76,10 @@ class PartitionAudit:
     """Outcomes of the committed inputs, by status."""
     uncommitted: int = 0
     """Outcomes of offsets at or past the committed one."""
+    low: int = 0
+    """The partition's first offset still kept (retention deletes from the start)."""
+    expired: int = 0
+    """Outcomes of inputs below `low`: deleted by retention, so not audited."""
     never_committed: int = 0
     """Inputs on a partition where the group committed nothing: none of them is audited,
     so the partition cannot be called exact (a wrong group, or a worker that never
@@ -86,6 +93,9 @@ class PipelineAudit:
     partitions: list[PartitionAudit]
     unreadable_outputs: int = 0
     """Records of the output topic that are not readable predictions."""
+    compacted_output: bool = False
+    """The output topic is compacted: Kafka deletes all but the last answer per key, so
+    an input may miss its answer without any loss by the workers."""
 
     @property
     def missing(self) -> int:
@@ -119,6 +129,7 @@ class PipelineAudit:
             "duplicated": self.duplicated,
             "outcomes": {status: self.outcomes[status] for status in STATUSES},
             "unreadable_outputs": self.unreadable_outputs,
+            "compacted_output": self.compacted_output,
             "partitions": [
                 {
                     "partition": p.partition,
@@ -130,6 +141,7 @@ class PipelineAudit:
                     "first_duplicated": p.duplicated[:_SHOWN_OFFSETS],
                     "outcomes": {status: p.outcomes[status] for status in STATUSES},
                     "uncommitted": p.uncommitted,
+                    "expired": p.expired,
                     "never_committed": p.never_committed,
                 }
                 for p in self.partitions
@@ -187,7 +199,7 @@ class _Clients:
 def _audit_pipeline(
     clients: _Clients, group: str, spec: PipelineConfig, decoder: AvroDecoder, timeout_s: float
 ) -> PipelineAudit:
-    committed, never_committed = _committed(clients, group, spec.input_topic)
+    committed, never_committed, lows = _committed(clients, group, spec.input_topic)
     # (partition, offset) -> statuses of the outcomes naming it.
     answers: dict[tuple[int, int], list[str]] = {}
     unreadable = 0
@@ -215,7 +227,7 @@ def _audit_pipeline(
     _read(clients, spec.dead_letter_topic, None, on_dead_letter, deadline)
 
     partitions = {
-        p: PartitionAudit(p, offset, never_committed=never_committed.get(p, 0))
+        p: PartitionAudit(p, offset, never_committed=never_committed.get(p, 0), low=lows[p])
         for p, offset in committed.items()
     }
 
@@ -230,30 +242,45 @@ def _audit_pipeline(
         found.outcomes.update(statuses)
 
     _read(clients, spec.input_topic, committed, on_input, deadline)
-    # What is left answers inputs not read above: past the committed offsets.
-    for (partition, _offset), statuses in answers.items():
-        if partition in partitions:
-            partitions[partition].uncommitted += len(statuses)
-    return PipelineAudit(spec.name, spec.input_topic, list(partitions.values()), unreadable)
+    # What is left answers inputs not read above: past the committed offsets, or gone.
+    for (partition, offset), statuses in answers.items():
+        found = partitions.get(partition)
+        if found is None:
+            continue
+        if offset < found.low:
+            found.expired += len(statuses)
+        else:
+            found.uncommitted += len(statuses)
+    policy = topic_settings(
+        clients.bootstrap, [spec.output_topic], "cleanup.policy", clients.connect_timeout_s
+    )[spec.output_topic]
+    return PipelineAudit(
+        spec.name, spec.input_topic, list(partitions.values()), unreadable,
+        compacted_output="compact" in policy.split(","),
+    )  # fmt: skip
 
 
-def _committed(clients: _Clients, group: str, topic: str) -> tuple[dict[int, int], dict[int, int]]:
-    """The group's committed offset per partition of `topic` (the low watermark if none),
-    and, per partition where it committed nothing, how many inputs it holds."""
+def _committed(
+    clients: _Clients, group: str, topic: str
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """The group's committed offset per partition of `topic` (the low watermark if none);
+    per partition where it committed nothing, how many inputs it holds; and each
+    partition's low watermark."""
     consumer = clients.consumer(group)
     try:
         partitions = _partitions(consumer, topic)
-        offsets, never = {}, {}
+        offsets, never, lows = {}, {}, {}
         wanted = [TopicPartition(topic, p) for p in partitions]
         for tp in consumer.committed(wanted, timeout=_REQUEST_TIMEOUT_S):
             low, high = consumer.get_watermark_offsets(tp, timeout=_REQUEST_TIMEOUT_S)
+            lows[tp.partition] = low
             if tp.offset == OFFSET_INVALID:
                 offsets[tp.partition] = low
                 if high > low:
                     never[tp.partition] = high - low
             else:
                 offsets[tp.partition] = max(tp.offset, low)
-        return offsets, never
+        return offsets, never, lows
     finally:
         consumer.close()
 
@@ -299,19 +326,21 @@ def _read(
 def format_report(audits: list[PipelineAudit]) -> str:
     """A plain-text table per pipeline, then a verdict line."""
     lines = []
-    header = ("partition", "committed", "inputs", "missing", "duplicated", *STATUSES, "uncommitted")
+    header = ("partition", "committed", "inputs", "missing", "duplicated", *STATUSES,
+              "uncommitted", "expired")  # fmt: skip
     for found in audits:
         lines.append(f"pipeline {found.pipeline} (input {found.input_topic})")
         rows = [header]
         for p in found.partitions:
             rows.append(
                 (p.partition, p.committed, p.inputs, len(p.missing), len(p.duplicated),
-                 *(p.outcomes[s] for s in STATUSES), p.uncommitted)
+                 *(p.outcomes[s] for s in STATUSES), p.uncommitted, p.expired)
             )  # fmt: skip
         totals = found.outcomes
         rows.append(
             ("total", "", found.inputs, found.missing, found.duplicated,
-             *(totals[s] for s in STATUSES), sum(p.uncommitted for p in found.partitions))
+             *(totals[s] for s in STATUSES), sum(p.uncommitted for p in found.partitions),
+             sum(p.expired for p in found.partitions))
         )  # fmt: skip
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         lines += ["  " + "  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True))
@@ -327,6 +356,17 @@ def format_report(audits: list[PipelineAudit]) -> str:
                     f"{p.never_committed} inputs, so none was audited (hint: is the config's "
                     "app_id the workers' group?)"
                 )
+        if found.compacted_output and found.missing:
+            lines.append(
+                "  the output topic is compacted (cleanup.policy): Kafka keeps only the last "
+                "answer per key, so answers missing here may have been compacted away, not "
+                "lost (hint: audit an output topic with cleanup.policy=delete)"
+            )
+        if any(p.expired for p in found.partitions):
+            lines.append(
+                "  expired: outcomes of inputs that retention deleted from the input topic "
+                "(not audited)"
+            )
         if found.unreadable_outputs:
             lines.append(
                 f"  {found.unreadable_outputs} unreadable records in the output topic: not "

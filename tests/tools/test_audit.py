@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
@@ -27,13 +29,9 @@ def commit_as_the_workers(deployment, bootstrap: str, offset: int) -> None:
     group.close()
 
 
-def test_audit_reports_inputs_without_an_outcome_and_with_several(deploy, kafka):
-    deployment = deploy(partitions=1)
-    spec = deployment.spec
-    bootstrap = kafka.bootstrap_servers
-    produce_raw(bootstrap, spec.input_topic, [b"i0", b"i1", b"i2", b"i3", b"i4"])
+def answering(producer: Producer, spec) -> Callable[..., None]:
+    """Writes an answer to input `offset` of partition 0, as a worker would."""
     encoder = AvroEncoder(LocalCatalogue(), "prediction.avsc", f"{spec.output_topic}-value")
-    producer = Producer({"bootstrap.servers": bootstrap})
 
     def answer(offset: int, status: str = "OK") -> None:
         value = {
@@ -44,6 +42,16 @@ def test_audit_reports_inputs_without_an_outcome_and_with_several(deploy, kafka)
         }  # fmt: skip
         producer.produce(spec.output_topic, encoder.encode(value), b"k")
 
+    return answer
+
+
+def test_audit_reports_inputs_without_an_outcome_and_with_several(deploy, kafka):
+    deployment = deploy(partitions=1)
+    spec = deployment.spec
+    bootstrap = kafka.bootstrap_servers
+    produce_raw(bootstrap, spec.input_topic, [b"i0", b"i1", b"i2", b"i3", b"i4"])
+    producer = Producer({"bootstrap.servers": bootstrap})
+    answer = answering(producer, spec)
     answer(0)
     answer(1, "SHED")
     answer(1, "SHED")  # answered twice
@@ -111,3 +119,37 @@ def test_records_that_are_no_answers_make_the_audit_unable_to_call_it_exact(depl
     assert found.unreadable_outputs == 1
     assert not found.exact
     assert "may hide repeats" in format_report([found])
+
+
+def test_answers_of_inputs_retention_deleted_are_expired_and_a_compacted_output_is_named(
+    deploy, kafka
+):
+    deployment = deploy(partitions=1)
+    spec = deployment.spec
+    bootstrap = kafka.bootstrap_servers
+    produce_raw(bootstrap, spec.input_topic, [b"i0", b"i1", b"i2", b"i3"])
+    producer = Producer({"bootstrap.servers": bootstrap})
+    answer = answering(producer, spec)
+    for offset in (0, 1, 3):  # offset 2 has no answer
+        answer(offset)
+    assert producer.flush(30) == 0
+    commit_as_the_workers(deployment, bootstrap, 4)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    # Retention deleted inputs 0 and 1 (their answers stay); the output is compacted.
+    (deleted,) = admin.delete_records([TopicPartition(spec.input_topic, 0, 2)]).values()
+    deleted.result(30)
+    compact = ConfigResource(
+        "topic", spec.output_topic,
+        incremental_configs=[ConfigEntry("cleanup.policy", "compact",
+                                         incremental_operation=AlterConfigOpType.SET)],
+    )  # fmt: skip
+    (altered,) = admin.incremental_alter_configs([compact]).values()
+    altered.result(30)
+
+    (found,) = audit(deployment.config)
+    (partition,) = found.partitions
+    assert (partition.inputs, partition.missing) == (2, [2])
+    assert (partition.expired, partition.uncommitted) == (2, 0)
+    assert found.compacted_output
+    report = format_report([found])
+    assert "compacted away" in report and "retention deleted" in report
