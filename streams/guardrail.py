@@ -92,18 +92,38 @@ class VersionMeter:
     recent samples its guardrail reads (a bounded deque: appended on the event loop,
     read on the control thread; a deque's append and copy are atomic, no lock)."""
 
-    __slots__ = ("_errors", "_ok", "_run", "_score_sum", "clock", "failures", "samples")
+    __slots__ = ("_errors", "_labels", "_ok", "_run", "_score_sum", "clock", "failures",
+                 "samples")  # fmt: skip
 
     def __init__(
         self, pipeline: str, version: str, clock: Callable[[], float] = time.monotonic
     ) -> None:
+        self._labels = (pipeline, version)
+        self.bind()
+        self.clock = clock
+        self.samples: deque[Sample] = deque(maxlen=_SAMPLES)
+        self.failures = 0
+
+    def bind(self) -> None:
+        """Bind the version's metric children: exported from now on (again, after `retire`:
+        counting starts over, a counter reset to Prometheus)."""
+        pipeline, version = self._labels
         self._run = metrics.MODEL_RUN_SECONDS.labels(pipeline, version)
         self._ok = metrics.MODEL_ANSWERS.labels(pipeline, version, "ok")
         self._errors = metrics.MODEL_ANSWERS.labels(pipeline, version, "error")
         self._score_sum = metrics.MODEL_SCORE_SUM.labels(pipeline, version)
-        self.clock = clock
-        self.samples: deque[Sample] = deque(maxlen=_SAMPLES)
+
+    def retire(self) -> None:
+        """Stop exporting the version's series: it left the pipeline. What it records
+        until `bind` counts nowhere; its samples go (a guardrail judges a version from
+        its return)."""
+        pipeline, version = self._labels
+        self.samples.clear()
         self.failures = 0
+        metrics.remove(metrics.MODEL_RUN_SECONDS, pipeline, version)
+        metrics.remove(metrics.MODEL_ANSWERS, pipeline, version, "ok")
+        metrics.remove(metrics.MODEL_ANSWERS, pipeline, version, "error")
+        metrics.remove(metrics.MODEL_SCORE_SUM, pipeline, version)
 
     def record(self, run_s: float, answers: Sequence[dict[str, Any]]) -> None:
         """A run of `run_s` answered `answers` (each with a score, or a value)."""

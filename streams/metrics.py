@@ -206,6 +206,13 @@ MODEL_ROLLBACKS = Counter(
 )
 
 
+def remove(metric, *labels: str) -> None:
+    """Stop exporting `metric`'s child of `labels` (nothing when it has none): a version
+    that left its pipeline must not leave a series behind for every deploy."""
+    with contextlib.suppress(KeyError):  # older prometheus-client raises for an absent one
+        metric.remove(*labels)
+
+
 class PipelineMetrics:
     """The children of one pipeline's metrics, bound once (`labels()` costs more than
     an observation on the per-event path)."""

@@ -7,8 +7,11 @@ the pipeline's event fields and features, its task is the pipeline's, so the ans
 schema holds) and warms it at every batch size, then hands a new `Serving` to the
 pipeline in one reference swap; the next batch prepared takes it, batches in progress
 finish with the old one. A version that fails any step is refused: logged, reported in
-the heartbeat, and the pipeline keeps serving what it served. Retired models are closed
-once no batch uses them.
+the heartbeat, and the pipeline keeps serving what it served. A deploy that fails in any
+later step (building or installing the switch) is refused whole the same way: what served
+before serves on, and what was loaded for it is closed. Retired models are closed once no
+batch uses them, and their versions' series are removed from the metrics (a worker deployed
+many times would otherwise export every version it ever served).
 
 `ModelSwitcher.guard`, called by the control thread between polls, checks each
 candidate's guardrail (`streams/guardrail.py`) and returns the rollbacks to write.
@@ -20,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from models.errors import ModelError
 from models.pool import SessionPool, warmup_sizes
@@ -28,7 +31,7 @@ from models.registry import resolve_model, with_version
 from schemas.errors import HeadraceError
 from streams import metrics
 from streams.control import Desired, Report, worker_name
-from streams.guardrail import breach
+from streams.guardrail import VersionMeter, breach
 from streams.infer import Model
 from streams.pipeline import Pipeline
 from streams.serving import Serving
@@ -49,11 +52,18 @@ class _Slot:
     versions: dict[str | None, Model]
     """Loaded models by registry version (None: the config's model)."""
     desired: Desired | None = None
+    """The desired state its `Serving` was built from."""
+    revision: int = 0
+    """The revision last acted on: applied, or refused (then newer than `desired`'s)."""
     refused: dict[str, str] = field(default_factory=dict)
     since_s: float = 0.0
     """Monotonic time its `Serving` was installed: a guardrail judges answers from then."""
     rolled_back: int = -1
     """The revision whose candidate this worker rolled back (decided once)."""
+    meters: dict[str, VersionMeter] = field(default_factory=dict)
+    """The meter of each version the pipeline answered with (by signature version)."""
+    retired: set[str] = field(default_factory=set)
+    """Versions whose series were removed: bound again before they answer again."""
 
 
 class ModelSwitcher:
@@ -66,8 +76,10 @@ class ModelSwitcher:
 
     def add(self, pipeline: Pipeline, fields: Sequence[str], refs: Sequence[str]) -> None:
         """A wired pipeline, serving its config's model."""
-        self._slots[pipeline.config.name] = _Slot(pipeline, fields, refs, {None: pipeline.model})
-        _export(pipeline.config.name, pipeline.serving, 1)
+        slot = _Slot(pipeline, fields, refs, {None: pipeline.model})
+        self._slots[pipeline.config.name] = slot
+        _remember(slot, pipeline.serving)
+        _export(pipeline.config.name, pipeline.serving, pipeline.serving)
 
     @property
     def pipelines(self) -> list[str]:
@@ -78,37 +90,87 @@ class ModelSwitcher:
         versions load and warm up, and while retired models finish their batches."""
         with self._lock:
             slot = self._slots[desired.pipeline]
-            started = slot.desired is None  # nothing applied yet: it serves its config's model
-            slot.desired = desired
-            old = slot.pipeline.serving
-            serving = self._try(slot, desired.serving)
-            refused = serving is None
-            if serving is None and started and desired.previous != desired.serving:
-                # The group kept serving what the refused deploy replaced: a worker started
-                # since joins it, rather than answer with its config's model.
-                serving = self._try(slot, desired.previous)
-            if serving is None:  # traffic stays with the serving model
-                serving = old.model
-            # A candidate that cannot serve is refused alone: the serving part holds.
-            candidate = None
-            if desired.candidate is not None:
-                candidate = self._try(slot, desired.candidate)
-                refused = refused or candidate is None
-            new = Serving(serving, candidate, desired.mode, desired.canary_percent)
-            unchanged = (new.model, new.candidate, new.mode, new.canary_buckets) == (
-                old.model, old.candidate, old.mode, old.canary_buckets,
-            )  # fmt: skip
-            if unchanged:
-                return not refused
-            slot.pipeline.use(new)
-            slot.since_s = time.monotonic()
-            metrics.MODEL_CHANGES.labels(desired.pipeline, "applied").inc()
-            _export(desired.pipeline, old, 0)
-            _export(desired.pipeline, new, 1)
-            log.warning("pipeline %s: now serving %s (%s)", desired.pipeline, _describe(new),
-                        desired.reason or "deploy")  # fmt: skip
-            self._retire(slot, old)
+            applied, old = slot.desired, slot.pipeline.serving
+            slot.revision = desired.revision
+            new = None
+            try:
+                new, refused = self._prepare(slot, desired)
+                if new is not None:
+                    self._install(slot, desired, old, new)
+            except Exception as exc:  # whatever step failed, nothing of it may stay half done
+                self._undo(slot, desired, applied, old, new, exc)
+                return False
+            if new is not None:
+                self._retire(slot, old)
             return not refused
+
+    def _prepare(self, slot: _Slot, desired: Desired) -> tuple[Serving | None, bool]:
+        """The `Serving` `desired` asks for, as far as its versions load (None: the one
+        installed now), and whether a version was refused."""
+        started = slot.desired is None  # nothing applied yet: it serves its config's model
+        slot.desired = desired
+        old = slot.pipeline.serving
+        serving = self._try(slot, desired.serving)
+        refused = serving is None
+        if serving is None and started and desired.previous != desired.serving:
+            # The group kept serving what the refused deploy replaced: a worker started
+            # since joins it, rather than answer with its config's model.
+            serving = self._try(slot, desired.previous)
+        if serving is None:  # traffic stays with the serving model
+            serving = old.model
+        # A candidate that cannot serve is refused alone: the serving part holds.
+        candidate = None
+        if desired.candidate is not None:
+            candidate = self._try(slot, desired.candidate)
+            refused = refused or candidate is None
+        new = Serving(serving, candidate, desired.mode, desired.canary_percent)
+        unchanged = (new.model, new.candidate, new.mode, new.canary_buckets) == (
+            old.model, old.candidate, old.mode, old.canary_buckets,
+        )  # fmt: skip
+        return (None if unchanged else new), refused
+
+    def _install(self, slot: _Slot, desired: Desired, old: Serving, new: Serving) -> None:
+        for model in new.models():
+            version = model.signature.version
+            if version in slot.retired:  # it answers again: its series come back first
+                slot.meters[version].bind()
+                slot.retired.discard(version)
+        slot.pipeline.use(new)
+        _remember(slot, new)
+        slot.since_s = time.monotonic()
+        _export(desired.pipeline, old, new)
+        metrics.MODEL_CHANGES.labels(desired.pipeline, "applied").inc()
+        log.warning("pipeline %s: now serving %s (%s)", desired.pipeline, _describe(new),
+                    desired.reason or "deploy")  # fmt: skip
+
+    def _undo(
+        self,
+        slot: _Slot,
+        desired: Desired,
+        applied: Desired | None,
+        old: Serving,
+        new: Serving | None,
+        exc: Exception,
+    ) -> None:
+        """`desired` failed after its versions loaded: `old` serves on, what was loaded
+        for it is closed, and it is reported refused like a version that did not load."""
+        name = desired.pipeline
+        slot.desired = applied  # the guardrail and the report follow what serves
+        if new is not None:
+            _remember(slot, new)  # `use` may have bound its meters before failing
+        if slot.pipeline.serving is not old:
+            tried = slot.pipeline.serving
+            slot.pipeline.use(old)
+            _export(name, tried, old)
+            self._retire(slot, tried)  # its batches finish with it
+        else:
+            self._close_unused(slot)
+        refused = desired.candidate if desired.candidate is not None else desired.serving
+        why = f"applying revision {desired.revision} failed: {type(exc).__name__}: {exc}"
+        slot.refused[str(refused)] = why
+        metrics.MODEL_CHANGES.labels(name, "refused").inc()
+        log.error("pipeline %s: revision %d refused, serving %s: %s", name, desired.revision,
+                  _describe(old), why, exc_info=True)  # fmt: skip
 
     def _try(self, slot: _Slot, version: str | None) -> Model | None:
         """The loaded, validated, warm model of `version`; None when it is refused."""
@@ -169,11 +231,22 @@ class ModelSwitcher:
         self._close_unused(slot)
 
     def _close_unused(self, slot: _Slot) -> None:
-        live = {id(model) for model in slot.pipeline.serving.models()}
+        """Close the models that answer no more and remove their versions' series."""
+        live = slot.pipeline.serving.models()
+        live_ids = {id(model) for model in live}
         for version, model in list(slot.versions.items()):
-            if id(model) not in live:
+            if id(model) not in live_ids:
                 del slot.versions[version]
-                model.pool.close()
+                try:
+                    model.pool.close()
+                except Exception:  # the switch is done: one pool must not keep the others open
+                    log.exception("pipeline %s: closing retired v%s failed",
+                                  slot.pipeline.config.name, version)  # fmt: skip
+        live_versions = {model.signature.version for model in live}
+        for version, meter in slot.meters.items():
+            if version not in live_versions and version not in slot.retired:
+                meter.retire()
+                slot.retired.add(version)
 
     def guard(self) -> list[Desired]:
         """The rollbacks the candidates' guardrails decide now, each logged and counted
@@ -198,7 +271,10 @@ class ModelSwitcher:
                 metrics.MODEL_CHANGES.labels(name, "rolled_back").inc()
                 log.error("pipeline %s: candidate v%s broke its guardrail (%s): %s; rolled "
                           "back", name, desired.candidate, found.reason, found.detail)  # fmt: skip
-                rollbacks.append(desired.rollback(f"guardrail: {found.reason}: {found.detail}"))
+                rollback = desired.rollback(f"guardrail: {found.reason}: {found.detail}")
+                if rollback.revision <= slot.revision:  # a later revision was refused whole
+                    rollback = replace(rollback, revision=slot.revision + 1)
+                rollbacks.append(rollback)
         return rollbacks
 
     def reports(self) -> list[Report]:
@@ -213,7 +289,7 @@ class ModelSwitcher:
                 candidate=candidate.signature.version if candidate is not None else None,
                 mode=serving.mode,
                 canary_percent=slot.desired.canary_percent if serving.canary else 0.0,
-                revision=slot.desired.revision if slot.desired else 0,
+                revision=slot.revision,
                 refused=dict(slot.refused),
             ))  # fmt: skip
         return out
@@ -225,13 +301,29 @@ class ModelSwitcher:
                 model.pool.close()
 
 
-def _export(pipeline: str, serving: Serving, value: int) -> None:
-    """`headrace_serving_version_info` of each model of `serving` (1: serving now)."""
-    roles = [("serving", serving.model)]
+def _remember(slot: _Slot, serving: Serving) -> None:
+    """Keep the meters the pipeline bound for `serving`, to retire their series later."""
+    for model, meter in ((serving.model, serving.meter),
+                         (serving.candidate, serving.candidate_meter)):  # fmt: skip
+        if model is not None and meter is not None:
+            slot.meters[model.signature.version] = meter
+
+
+def _export(pipeline: str, before: Serving, after: Serving) -> None:
+    """`headrace_serving_version_info` at 1 for each (role, version) of `after`; those
+    only `before` had are removed, not left at 0 (one series per version ever served)."""
+    now = _roles(after)
+    for role, version in _roles(before) - now:
+        metrics.remove(metrics.SERVING_VERSION, pipeline, role, version)
+    for role, version in now:
+        metrics.SERVING_VERSION.labels(pipeline, role, version).set(1)
+
+
+def _roles(serving: Serving) -> set[tuple[str, str]]:
+    roles = {("serving", serving.model.signature.version)}
     if serving.candidate is not None:
-        roles.append((serving.mode, serving.candidate))
-    for role, model in roles:
-        metrics.SERVING_VERSION.labels(pipeline, role, model.signature.version).set(value)
+        roles.add((serving.mode, serving.candidate.signature.version))
+    return roles
 
 
 def _describe(serving: Serving) -> str:
