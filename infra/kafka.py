@@ -5,8 +5,9 @@
     ...
     broker.stop()
 
-The broker runs detached; `start()` on a running broker returns at once, and a
-broker started by another process is stopped through its pid file.
+The broker runs detached; `start()` on a running broker returns at once (or raises
+AlreadyRunning where it runs on other ports), and a broker started by another process
+is stopped through its pid file.
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ class KafkaBroker(LocalService):
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 90.0) -> float:
-        """Start and wait until the broker answers metadata; returns the seconds it took."""
-        if self.running():
+        """Start and wait until the broker answers metadata; returns the seconds it took
+        (0 if it runs). Raises AlreadyRunning if it runs on other ports."""
+        if self.running_on(self._ports):
             return 0.0
         java = find_java(17)
         lib = kafka_jars()
@@ -142,9 +144,13 @@ class KafkaBroker(LocalService):
         ]
         if not (data / "meta.properties").exists():
             self._format(jvm, properties)
-        ports = {"port": self.port, "controller_port": self.controller_port}
         command = [*jvm, "kafka.Kafka", str(properties)]
-        return self.process.launch(command, self.ready, timeout_s, ports=ports)
+        return self.process.launch(command, self.ready, timeout_s, ports=self._ports)
+
+    @property
+    def _ports(self) -> dict[str, int]:
+        """By the option that sets each (the CLI's and the error messages' names)."""
+        return {"port": self.port, "controller_port": self.controller_port}
 
     def ready(self) -> bool:
         from confluent_kafka.admin import AdminClient

@@ -36,8 +36,9 @@ class PrometheusServer(LocalService):
         return f"{self.url}/-/ready"
 
     def start(self, config_file: Path, timeout_s: float = 60.0) -> float:
-        """Start on `config_file` unless running; returns the seconds it took."""
-        if self.running():
+        """Start on `config_file` unless running; returns the seconds it took (0 if it
+        runs). Raises AlreadyRunning if it runs on another port."""
+        if self.running_on({"port": self.port}):
             return 0.0
         binary = shutil.which("prometheus")
         if binary is None:

@@ -5,7 +5,9 @@ the broker runs on; its pid is kept in the service's state folder, so a later
 `stop` (from another process) finds it. Beside the pid the file keeps the process's
 start time (field 22 of /proc/PID/stat), because a pid outlives its process: after a
 reboot or a crash the same number may name an unrelated process, which must be
-neither taken for the service (a `start` that starts nothing) nor signalled.
+neither taken for the service (a `start` that starts nothing) nor signalled. A second
+line keeps the ports it was started on, so a `start` asking for other ports is refused
+(AlreadyRunning) instead of reporting the service ready where it does not listen.
 """
 
 from __future__ import annotations
@@ -27,6 +29,36 @@ from infra.errors import InfraError
 PROC = Path("/proc")
 
 
+class AlreadyRunning(InfraError):
+    """`start` asked for other ports than those the running service was started on."""
+
+    exit_status = 2  # as for a port another process holds: fix the command, or stop it
+
+    def __init__(
+        self,
+        name: str,
+        pid: int,
+        running: Mapping[str, int],
+        asked: Mapping[str, int],
+        stop_hint: str = "stop it first",
+    ) -> None:
+        self.name, self.pid, self.running, self.asked = name, pid, dict(running), dict(asked)
+        super().__init__(
+            f"{name} already runs (pid {pid}) with {_options(running)}, not "
+            f"{_options(asked)}; hint: {stop_hint}, or start it with {_options(running)}"
+        )
+
+
+class NotStopped(InfraError):
+    """A service that `stop` could not end: it is still running."""
+
+    exit_status = 75  # EX_TEMPFAIL: as `produce` and `deploy --wait`, it may work on a later try
+
+
+def _options(ports: Mapping[str, int]) -> str:
+    return " ".join(f"--{option.replace('_', '-')} {port}" for option, port in ports.items())
+
+
 class ServiceProcess:
     def __init__(self, name: str, state_dir: Path, kill_timeout_s: float = 10.0) -> None:
         self.name = name
@@ -40,7 +72,7 @@ class ServiceProcess:
         is another process now (its start time differs), is stale: it is removed, and
         nothing is signalled."""
         try:
-            recorded, *identity = self.pid_file.read_text().split()
+            recorded, *identity = self.pid_file.read_text().partition("\n")[0].split()
             pid = int(recorded)
         except (OSError, ValueError):
             return None
@@ -48,6 +80,33 @@ class ServiceProcess:
             return pid
         self.pid_file.unlink(missing_ok=True)
         return None
+
+    def ports(self) -> dict[str, int] | None:
+        """The ports the running service was started on, by option name; None if it does
+        not run, or if its pid file does not say (written by an older headrace)."""
+        if self.pid() is None:
+            return None
+        try:
+            _first, _, recorded = self.pid_file.read_text().partition("\n")
+            pairs = [field.split("=", 1) for field in recorded.split()]
+            return {option: int(port) for option, port in pairs} or None
+        except (OSError, ValueError):
+            return None
+
+    def running_on(self, ports: Mapping[str, int]) -> bool:
+        """Whether the service runs, on `ports` (those it was started on, by option name).
+        Raises AlreadyRunning if it runs on other ones: a `start` then must not report it
+        ready on the ports asked. A service whose ports were not recorded counts as on them."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        running = self.ports()
+        if running is not None and ports:
+            differing = {option: port for option, port in ports.items()
+                         if option in running and running[option] != port}  # fmt: skip
+            if differing:
+                raise AlreadyRunning(self.name, pid, running, differing)
+        return True
 
     def _ours(self, pid: int, start_ticks: str | None) -> bool:
         if not (PROC / "self" / "stat").exists():
@@ -75,7 +134,7 @@ class ServiceProcess:
         anything starts (else `ready()` could be answered by that process). Raises
         InfraError if the process exits before it is ready (with its log's tail) or is
         not ready within `timeout_s` (then it is stopped)."""
-        if self.pid() is not None:
+        if self.running_on(ports or {}):
             return 0.0
         for option, port in (ports or {}).items():
             _check_free(self.name, port, option)
@@ -91,7 +150,9 @@ class ServiceProcess:
                 start_new_session=True,
             )
         start_ticks = _start_ticks(process.pid)
-        self.pid_file.write_text(f"{process.pid} {start_ticks or ''}".rstrip() + "\n")
+        identity = f"{process.pid} {start_ticks or ''}".rstrip()
+        recorded = " ".join(f"{option}={port}" for option, port in (ports or {}).items())
+        self.pid_file.write_text(f"{identity}\n{recorded}\n" if recorded else f"{identity}\n")
         deadline = started + timeout_s
         while True:
             # Asked again after `ready()`: a child that died meanwhile (on its bind, say)
@@ -116,23 +177,36 @@ class ServiceProcess:
     def stop(self, timeout_s: float = 30.0) -> bool:
         """SIGTERM, then SIGKILL after `timeout_s`. Returns whether it was running. Safe twice.
 
-        Blocks at most `timeout_s` plus `kill_timeout_s`; raises InfraError naming the pid
-        (and keeps the pid file) if the process outlives SIGKILL that long."""
+        Blocks at most `timeout_s` plus `kill_timeout_s`; raises NotStopped naming the pid
+        (and keeps the pid file, which is right while the process lives) if the process
+        outlives SIGKILL that long, or may not be signalled (another user's)."""
         pid = self.pid()
         if pid is None:
             return False
         start_ticks = _start_ticks(pid)
-        _signal(pid, signal.SIGTERM)
+        self._signal(pid, signal.SIGTERM)
         if not _wait_gone(pid, start_ticks, timeout_s):
-            _signal(pid, signal.SIGKILL)
+            self._signal(pid, signal.SIGKILL)
             if not _wait_gone(pid, start_ticks, self.kill_timeout_s):
-                raise InfraError(
-                    f"{self.name} (pid {pid}) is still running {self.kill_timeout_s:.0f} s "
-                    f"after SIGKILL; hint: `ps -o pid,stat,cmd -p {pid}` (state D: it ends "
-                    f"when its I/O does), then remove {self.pid_file}"
+                # The pid file stays: it still names the process, and goes by itself
+                # once the process has ended (a later `pid()` finds it stale).
+                raise NotStopped(
+                    f"{self.name} (pid {pid}) is still running {self.kill_timeout_s:g} s "
+                    f"after SIGKILL; hint: `ps -o pid,stat,cmd -p {pid}`: in state D "
+                    "(uninterruptible I/O) it ends when its I/O does; then stop it again"
                 )
         self.pid_file.unlink(missing_ok=True)
         return True
+
+    def _signal(self, pid: int, sig: int) -> None:
+        try:
+            _signal(pid, sig)
+        except PermissionError as exc:
+            raise NotStopped(
+                f"{self.name} (pid {pid}) may not be signalled by this user ({exc.strerror}); "
+                f"hint: it was started by another user: stop it as that user (sudo), with "
+                f"the same --state-dir"
+            ) from exc
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -160,6 +234,10 @@ class LocalService:
 
     def running(self) -> bool:
         return self.process.pid() is not None
+
+    def running_on(self, ports: Mapping[str, int]) -> bool:
+        """As ServiceProcess.running_on: AlreadyRunning if it runs on other ports."""
+        return self.process.running_on(ports)
 
     def stop(self) -> bool:
         return self.process.stop()
@@ -215,14 +293,13 @@ def _wait_gone(pid: int, start_ticks: str | None, timeout_s: float) -> bool:
 
 def _signal(pid: int, sig: int) -> None:
     """Signal the process group `pid` leads (the service and its children), or `pid`
-    alone when it leads none (it left the session it was started in)."""
+    alone when it leads none (it left the session it was started in). Raises
+    PermissionError where this user may not signal them."""
     try:
         os.killpg(pid, sig)
         return
     except ProcessLookupError:
         pass
-    except PermissionError as exc:
-        raise InfraError(f"may not signal process group {pid}: {exc}") from exc
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
 

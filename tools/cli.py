@@ -3,17 +3,21 @@
 Exit statuses (README, "Exit statuses"): 0 done; 1 a verdict that failed (`audit`: not
 every committed input has exactly one outcome; `check`: problems found); 2 a usage or
 configuration error (flags, config file, a model that does not fit its config or
-metadata, a missing topic, the metrics port taken); 69 Kafka could not be reached or
-did not answer in time; 70 a worker gave up on a batch it could not write (nothing of it
-committed); 75 `produce`: not every event was delivered; 130 interrupted.
+metadata, a missing topic, the metrics port taken, a local service's `start` on other
+ports than it runs on); 69 Kafka could not be reached or did not answer in time; 70 a
+worker gave up on a batch it could not write (nothing of it committed); 75 `produce`:
+not every event was delivered; a local service's `stop` could not end its process; 130
+interrupted (`produce` first flushes what it sent and says how much).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -79,7 +83,15 @@ def _service_group(name: str, help_text: str, make, ports: dict[str, int], where
 
     def start(state_dir: Path, **chosen: int) -> None:
         service = make(state_dir, **chosen)
-        took = service.start()
+        with _stop_first_hint(name, state_dir, DEFAULT_STATE / name):
+            # Asked here too: not every service's start() checks its ports.
+            if service.running_on(chosen):
+                click.echo(
+                    f"{name} already running at {where(service)} (pid {service.process.pid()}); "
+                    f"state in {state_dir}"
+                )
+                return
+            took = service.start()
         click.echo(f"{name} ready at {where(service)} ({took:.1f} s); state in {state_dir}")
 
     for port, default in ports.items():
@@ -95,6 +107,19 @@ def _service_group(name: str, help_text: str, make, ports: dict[str, int], where
 
     group.command("stop", help=f"Stop {name}.")(state_dir_option(stop))
     cli.add_command(group)
+
+
+@contextlib.contextmanager
+def _stop_first_hint(group: str, state_dir: Path, default_state: Path) -> Iterator[None]:
+    """AlreadyRunning with the command that stops the running service in its hint."""
+    from infra.process import AlreadyRunning
+
+    try:
+        yield
+    except AlreadyRunning as exc:
+        where = "" if state_dir == default_state else f" --state-dir {state_dir}"
+        hint = f"stop it first (`headrace {group} stop{where}`)"
+        raise AlreadyRunning(exc.name, exc.pid, exc.running, exc.asked, hint) from None
 
 
 def _kafka(state_dir: Path, **ports: int):
@@ -527,7 +552,9 @@ def produce(
 ) -> None:
     """Send synthetic events at a fixed rate to a sample pipeline's input topic (the
     example pipelines' events: transactions or clicks, chosen by the input schema).
-    Exits 75 when Kafka did not acknowledge every event, saying how many it did."""
+    Exits 75 when Kafka did not acknowledge every event, saying how many it did. Ctrl-C
+    stops it: what was sent is flushed (up to 5 s), one line says how many events were
+    sent and delivered, and it exits 130."""
     config = _config(config_path)
     spec = _pipeline(config, pipeline_name)
     _require_topic(config, spec.input_topic)
@@ -536,7 +563,7 @@ def produce(
     from features.sample_data import SampleWorld
     from infra.kafka_clients import client_settings
     from tools.answers import event_encoder
-    from tools.loadgen import NotDelivered, encoded, events_for, send_at_rate
+    from tools.loadgen import NotDelivered, SendInterrupted, encoded, events_for, send_at_rate
 
     encoder = event_encoder(config, spec)
     broker = config.broker
@@ -559,17 +586,30 @@ def produce(
         shown.append(sent)
         click.echo(f"\rsent {sent}", nl=False, err=True)
 
-    report = send_at_rate(
-        producer,
-        spec.input_topic,
-        records,
-        rate,
-        duration,
-        on_tick=progress,
-        flush_timeout_s=_DELIVERY_TIMEOUT_MS / 1000 + 5,
-    )
+    try:
+        report = send_at_rate(
+            producer,
+            spec.input_topic,
+            records,
+            rate,
+            duration,
+            on_tick=progress,
+            flush_timeout_s=_DELIVERY_TIMEOUT_MS / 1000 + 5,
+            interrupted_flush_timeout_s=_INTERRUPTED_FLUSH_S,
+        )
+    except SendInterrupted as stopped:
+        report = stopped.report
     if shown:
         click.echo(err=True)  # ends the progress line
+    if report.interrupted:
+        unconfirmed = report.sent - report.delivered - report.failed
+        click.echo(
+            f"headrace: interrupted after {report.elapsed_s:.1f} s: sent {report.sent} "
+            f"events to {spec.input_topic}, {report.delivered} delivered ({report.failed} "
+            f"failed, {unconfirmed} unconfirmed)",
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
     if report.delivered < report.sent:
         unconfirmed = report.sent - report.delivered - report.failed
         raise NotDelivered(
@@ -585,6 +625,8 @@ def produce(
 
 # How long `produce` waits for Kafka to acknowledge an event before counting it failed.
 _DELIVERY_TIMEOUT_MS = 30_000
+# How long an interrupted `produce` waits for what it sent (a second Ctrl-C ends it sooner).
+_INTERRUPTED_FLUSH_S = 5.0
 
 
 def _broker_topics(config) -> dict:
@@ -1010,9 +1052,11 @@ def monitor_start(
     from tools import monitor as local
 
     scraped = _metrics_targets(targets, config_path)
-    server, took = local.start(state_dir, scraped, port, slo, scrape_interval)
+    with _stop_first_hint("monitor", state_dir, DEFAULT_STATE / "monitor"):
+        server, took = local.start(state_dir, scraped, port, slo, scrape_interval)
+    how = "already running, config reloaded" if took is None else f"{took:.1f} s"
     click.echo(
-        f"prometheus at {server.url} ({took:.1f} s), scraping {', '.join(scraped)}, SLO "
+        f"prometheus at {server.url} ({how}), scraping {', '.join(scraped)}, SLO "
         f"{100 * slo:g}%; alerts at {server.url}/alerts; state in {state_dir}"
     )
     if not foreground:

@@ -129,6 +129,17 @@ class SendReport:
     unconfirmed when the final flush gave up."""
     first_error: str | None = None
     """Why the first failed record failed."""
+    interrupted: bool = False
+    """Ctrl-C ended the run early: `sent` counts what was handed to the producer by then."""
+
+
+class SendInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `send_at_rate`, raised once what was sent is flushed: still a
+    KeyboardInterrupt to callers that stop on one, with the report for those that say it."""
+
+    def __init__(self, report: SendReport) -> None:
+        super().__init__()
+        self.report = report
 
 
 class NotDelivered(HeadraceError):
@@ -173,6 +184,7 @@ def send_at_rate(
     duration_s: float,
     on_tick: Callable[[int], None] | None = None,
     flush_timeout_s: float = 30.0,
+    interrupted_flush_timeout_s: float = 5.0,
 ) -> SendReport:
     """Send `rate_per_s * duration_s` records on a fixed schedule, open loop.
 
@@ -184,6 +196,10 @@ def send_at_rate(
     producer's delivery timeout, every record is then either delivered or failed). The
     report counts the deliveries. `on_tick(sent)` is called about once a second
     (progress display).
+
+    Ctrl-C (KeyboardInterrupt) stops the sending: what was sent is still flushed, up to
+    `interrupted_flush_timeout_s` (a second Ctrl-C ends that wait), then SendInterrupted
+    carries the report.
     """
     total = int(rate_per_s * duration_s)
     deliveries = _Deliveries()
@@ -191,26 +207,40 @@ def send_at_rate(
     next_tick = start + 1.0
     max_lag_s = 0.0
     sent = 0
-    while sent < total:
-        now = time.time()
-        due = min(total, int((now - start) * rate_per_s) + 1)
-        if sent < due:
-            max_lag_s = max(max_lag_s, now - (start + sent / rate_per_s))
-        while sent < due:
-            _produce(producer, topic, next(records), start + sent / rate_per_s, deliveries)
-            sent += 1
-        producer.poll(0)
-        if on_tick is not None and now >= next_tick:
-            on_tick(sent)
-            next_tick += 1.0
-        wait = start + sent / rate_per_s - time.time()
-        if wait > 0:
-            time.sleep(max(wait, MIN_SLEEP_S))
-    producer.flush(flush_timeout_s)
-    return SendReport(
-        total, start, time.time() - start, max_lag_s * 1000,
-        deliveries.delivered, deliveries.failed, deliveries.first_error,
+    interrupted = False
+    try:
+        while sent < total:
+            now = time.time()
+            due = min(total, int((now - start) * rate_per_s) + 1)
+            if sent < due:
+                max_lag_s = max(max_lag_s, now - (start + sent / rate_per_s))
+            while sent < due:
+                _produce(producer, topic, next(records), start + sent / rate_per_s, deliveries)
+                sent += 1
+            producer.poll(0)
+            if on_tick is not None and now >= next_tick:
+                on_tick(sent)
+                next_tick += 1.0
+            wait = start + sent / rate_per_s - time.time()
+            if wait > 0:
+                time.sleep(max(wait, MIN_SLEEP_S))
+    except KeyboardInterrupt:
+        interrupted = True
+    try:
+        # Interrupted, the operator waits: flush what was sent, but not for the full
+        # delivery timeout (a broker that went away would hold Ctrl-C for 30 s).
+        producer.flush(interrupted_flush_timeout_s if interrupted else flush_timeout_s)
+    except KeyboardInterrupt:  # (another) Ctrl-C while flushing: stop waiting
+        interrupted = True
+    # A Ctrl-C between a produce() and its count: the delivery reports know better.
+    sent = max(sent, deliveries.delivered + deliveries.failed)
+    report = SendReport(
+        sent, start, time.time() - start, max_lag_s * 1000,
+        deliveries.delivered, deliveries.failed, deliveries.first_error, interrupted,
     )  # fmt: skip
+    if interrupted:
+        raise SendInterrupted(report)
+    return report
 
 
 def _produce(

@@ -139,9 +139,14 @@ def start(
     port: int,
     slo: float = DEFAULT_SLO,
     scrape_interval_s: float = 5.0,
-) -> tuple[PrometheusServer, float]:
+) -> tuple[PrometheusServer, float | None]:
     """Write the config (the SLO's rules for `slo`, the alerts) into `state_dir` and
-    start Prometheus there in the background; returns it and the seconds it took."""
+    start Prometheus there in the background; returns it and the seconds it took (None:
+    it was running, and reloaded the config). Raises AlreadyRunning, before any file is
+    written, if it runs on another port."""
+    server = PrometheusServer(state_dir, port)
+    # Asked first: a refused start must not leave the running one a config it never loaded.
+    running = server.running_on({"port": port})
     state_dir.mkdir(parents=True, exist_ok=True)
     slo_file = state_dir / "slo.yml"
     slo_file.write_text(slo_rules(slo))
@@ -150,8 +155,7 @@ def start(
     config = state_dir / "prometheus.yml"
     config.write_text(prometheus_config(targets, [alerts.resolve(), slo_file.resolve()],
                                         scrape_interval_s))  # fmt: skip
-    server = PrometheusServer(state_dir, port)
-    if server.running():
+    if running:
         server.reload()  # the new targets and rules
-        return server, 0.0
+        return server, None
     return server, server.start(config)

@@ -18,7 +18,9 @@ import pytest
 
 from infra import process as process_module
 from infra.errors import InfraError
-from infra.process import ServiceProcess
+from infra.ports import free_port
+from infra.process import AlreadyRunning, NotStopped, ServiceProcess
+from tests.helpers import headrace
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -181,13 +183,102 @@ def test_stop_gives_up_naming_the_pid(service, monkeypatch):
     pid = service.pid()
     # A process no signal ends (uninterruptible sleep, as far as stop can tell).
     monkeypatch.setattr(process_module, "_signal", lambda pid, sig: None)
-    with pytest.raises(InfraError, match=rf"standin \(pid {pid}\) is still running"):
+    with pytest.raises(NotStopped, match=rf"standin \(pid {pid}\) is still running") as raised:
         service.stop(timeout_s=0.3)
+    assert raised.value.exit_status == 75
     assert service.pid() == pid  # kept: it is still there
     monkeypatch.undo()
 
 
-# 2. A port another process listens on.
+# How `stop` cannot end a process: it outlives SIGKILL (uninterruptible I/O, as far as
+# stop can tell), or it is another user's.
+
+
+def _outlives_sigkill(monkeypatch) -> None:
+    monkeypatch.setattr(process_module, "_signal", lambda pid, sig: None)
+    monkeypatch.setattr(process_module, "_wait_gone", lambda pid, ticks, timeout_s: False)
+
+
+def _another_users(monkeypatch) -> None:
+    def refused(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(process_module.os, "killpg", refused)
+
+
+UNSTOPPABLE = {
+    "outlives SIGKILL": (
+        _outlives_sigkill,
+        "is still running 10 s after SIGKILL; hint: `ps -o pid,stat,cmd -p {pid}`",
+    ),
+    "another user's": (
+        _another_users,
+        "may not be signalled by this user (Operation not permitted); hint: it was started "
+        "by another user",
+    ),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", list(UNSTOPPABLE))
+def test_a_stop_that_cannot_end_the_process_names_it_and_exits_75(
+    tmp_path, capsys, monkeypatch, how
+):
+    """An operational failure (as `produce`'s 75), not a usage error (2): the command was
+    right, the process did not end; one line names it and what to do."""
+    from tools.cli import main
+
+    state = tmp_path / "monitor"
+    standin = ServiceProcess("prometheus", state)
+    standin.launch(["sleep", "300"], lambda: True, timeout_s=10)
+    pid = standin.pid()
+    patch, expected = UNSTOPPABLE[how]
+    try:
+        patch(monkeypatch)
+        monkeypatch.setattr(sys, "argv", ["headrace", "monitor", "stop", "--state-dir", str(state)])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        monkeypatch.undo()
+        out, err = capsys.readouterr()
+        assert exited.value.code == 75, err
+        assert out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        assert lines[0].startswith(f"headrace: prometheus (pid {pid}) {expected.format(pid=pid)}")
+        assert standin.pid() == pid  # still running, still recorded
+    finally:
+        monkeypatch.undo()
+        standin.stop(timeout_s=5.0)
+
+
+# 2. A port another process listens on, or the service itself on other ports.
+
+
+@pytest.mark.timeout(30)
+def test_start_on_other_ports_while_running_is_refused_naming_both(service):
+    first, other = {"port": free_port(), "admin_port": free_port()}, free_port()
+    service.launch(["sleep", "300"], lambda: True, timeout_s=10, ports=first)
+    pid = service.pid()
+    assert service.ports() == first
+    # The same ports: it runs, nothing starts.
+    assert service.launch(["false"], lambda: False, timeout_s=10, ports=first) == 0.0
+    with pytest.raises(AlreadyRunning) as raised:
+        service.launch(["false"], lambda: False, timeout_s=10, ports={**first, "port": other})
+    assert str(raised.value) == (
+        f"standin already runs (pid {pid}) with --port {first['port']} --admin-port "
+        f"{first['admin_port']}, not --port {other}; hint: stop it first, or start it with "
+        f"--port {first['port']} --admin-port {first['admin_port']}"
+    )
+    assert raised.value.exit_status == 2
+    assert service.pid() == pid  # untouched
+
+
+@pytest.mark.timeout(30)
+def test_a_pid_file_without_ports_still_counts_as_running(service):
+    # Written by a headrace that did not record ports: nothing to compare, as before.
+    service.launch(["sleep", "300"], lambda: True, timeout_s=10)
+    assert service.ports() is None
+    assert service.running_on({"port": free_port()}) is True
 
 
 @pytest.mark.timeout(30)
@@ -253,3 +344,43 @@ def test_monitor_start_on_a_taken_port_is_one_line_and_status_2(
         f"headrace: prometheus: port {port} is taken (by another process); "
         "hint: stop it or pass --port"
     ]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus")
+def test_monitor_start_on_another_port_while_it_runs_is_refused_naming_its_port(tmp_path):
+    state = tmp_path / "monitor"
+    port, other = free_port(), free_port()
+
+    def start(on: int):
+        return headrace("monitor", "start", "--port", str(on), "--state-dir", str(state),
+                        "--target", "127.0.0.1:1", cwd=tmp_path)  # fmt: skip
+
+    try:
+        first = start(port)
+        assert first.code == 0, first.output
+        pid = ServiceProcess("prometheus", state).pid()
+        refused = start(other)
+        assert "Traceback" not in refused.output
+        assert refused.code == 2, refused.output
+        assert refused.lines == [
+            f"headrace: prometheus already runs (pid {pid}) with --port {port}, not --port "
+            f"{other}; hint: stop it first (`headrace monitor stop --state-dir {state}`), or "
+            f"start it with --port {port}"
+        ]
+        assert answers_ready(port)
+        assert not answers_ready(other)
+        again = start(port)  # the same port: it runs, its config is reloaded
+        assert again.code == 0, again.output
+        assert f"prometheus at http://127.0.0.1:{port} (already running" in again.output
+        assert ServiceProcess("prometheus", state).pid() == pid
+    finally:
+        headrace("monitor", "stop", "--state-dir", str(state), cwd=tmp_path)
+
+
+def answers_ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False

@@ -76,3 +76,30 @@ def test_a_high_rate_is_sent_in_bursts_stamped_with_each_records_own_time(monkey
     assert min(sleeps) >= loadgen.MIN_SLEEP_S
     gaps = {b - a for a, b in zip(producer.timestamps, producer.timestamps[1:], strict=False)}
     assert gaps <= {0, 1}  # whole milliseconds apart: each record's intended time
+
+
+def test_ctrl_c_flushes_what_was_sent_then_raises_with_the_report():
+    """Still a KeyboardInterrupt (the demo and the benchmarks stop on it), raised after
+    the flush, carrying what was sent and delivered for `produce` to say."""
+    flushed: list[float] = []
+
+    class Interrupted(FakeProducer):
+        def produce(self, *args, **kwargs) -> None:
+            if self._count == 12:
+                raise KeyboardInterrupt
+            super().produce(*args, **kwargs)
+
+        def flush(self, timeout: float) -> int:
+            flushed.append(timeout)
+            return super().flush(timeout)
+
+    try:
+        send_at_rate(Interrupted(), "t", records(), 1_000, 10.0, interrupted_flush_timeout_s=2.0)
+    except KeyboardInterrupt as raised:
+        assert isinstance(raised, loadgen.SendInterrupted)
+        report = raised.report
+    else:
+        raise AssertionError("the interrupt was swallowed")
+    assert flushed == [2.0]
+    assert report.interrupted
+    assert (report.sent, report.delivered, report.failed) == (12, 8, 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,10 +20,10 @@ import yaml
 
 from infra.ports import free_port
 from infra.topics import set_topic_config
-from tests.helpers import COMMAND_TIMEOUT_S, Finished, headrace
+from tests.helpers import COMMAND_TIMEOUT_S, Finished, headrace, wait_until
 from tools.deploy import sample_config
 
-EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_DELIVERED = 2, 69, 75
+EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_DELIVERED, EXIT_INTERRUPTED = 2, 69, 75, 130
 
 
 def assert_refused(done: Finished, code: int, *expected: str) -> str:
@@ -267,3 +268,85 @@ def test_a_worker_stopped_while_it_still_imports_exits_cleanly(unreachable_confi
     finally:
         worker.kill()
     assert worker.returncode == 0, output
+
+
+# --- local services ---------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_broker_start_on_other_ports_while_it_runs_is_refused_naming_its_ports(kafka, tmp_path):
+    """The session's broker, asked for by the real command with its state folder: other
+    ports are refused (it used to report the broker ready on them), its own are fine."""
+    state = str(kafka.state_dir)
+    pid = kafka.process.pid()
+    own = ["--port", str(kafka.port), "--controller-port", str(kafka.controller_port)]
+    other = free_port()
+    refused = headrace("broker", "start", "--state-dir", state, "--port", str(other),
+                       "--controller-port", str(kafka.controller_port), cwd=tmp_path)  # fmt: skip
+    message = assert_refused(
+        refused,
+        EXIT_USAGE,
+        f"kafka already runs (pid {pid}) with {' '.join(own)}, not --port {other}",
+        f"stop it first (`headrace broker stop --state-dir {state}`), or start it with "
+        f"{' '.join(own)}",
+    )
+    assert refused.lines == [message]
+    assert kafka.process.pid() == pid and kafka.ready()
+    again = headrace("broker", "start", "--state-dir", state, *own, cwd=tmp_path)
+    assert again.code == 0, again.output
+    assert again.lines == [
+        f"broker already running at {kafka.bootstrap_servers} (pid {pid}); state in {state}"
+    ]
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_produce_interrupted_flushes_what_it_sent_says_so_and_exits_130(deploy, kafka, tmp_path):
+    deployment = deploy(partitions=1)
+    topic = deployment.spec.input_topic
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
+    producing = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "produce", "-c", str(deployment.config_file),
+         "--rate", "2000", "--duration", "120"],
+        cwd=Path(__file__).parents[2], env=environment, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # Interrupted mid-run, with events in flight: some already on the topic.
+        assert wait_until(
+            lambda: producing.poll() is not None or _on_topic(kafka.bootstrap_servers, topic) > 0,
+            COMMAND_TIMEOUT_S,
+        )
+        assert producing.poll() is None, producing.communicate()[0]
+        producing.send_signal(signal.SIGINT)
+        output, _ = producing.communicate(timeout=COMMAND_TIMEOUT_S)
+    finally:
+        producing.kill()
+    assert "Traceback" not in output, output
+    assert producing.returncode == EXIT_INTERRUPTED, output
+    last = output.replace("\r", "\n").splitlines()[-1]
+    found = re.fullmatch(
+        rf"headrace: interrupted after [\d.]+ s: sent (\d+) events to {topic}, (\d+) "
+        r"delivered \(0 failed, 0 unconfirmed\)",
+        last,
+    )
+    assert found, output
+    sent, delivered = int(found[1]), int(found[2])
+    assert 0 < sent == delivered < 2000 * 120
+    # Flushed: every event it counted is on the topic (it is gone: nothing adds more).
+    on_topic = wait_until(lambda: _on_topic(kafka.bootstrap_servers, topic) >= 0, 30)
+    assert on_topic and _on_topic(kafka.bootstrap_servers, topic) == delivered
+
+
+def _on_topic(bootstrap: str, topic: str) -> int:
+    """Records on partition 0 of `topic`: its high watermark (no group coordinator asked,
+    which a young broker may not have ready); -1 while its leader is not known yet."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "headrace-tests-none"})
+    try:
+        return consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1]
+    except KafkaException:
+        return -1
+    finally:
+        consumer.close()
