@@ -11,13 +11,24 @@ hold a `Report` (the heartbeat). Both topics have one partition: one order of ch
 block while a model loads: nothing on the hot path waits for it), and reports every
 `heartbeat_interval_s`. Between polls it asks `guard` for rollbacks its guardrails
 decided and writes them to the control topic like any deploy: one worker's rollback is
-enough, every worker (itself too) applies it when it reads it back. Every Kafka call
-has a timeout. A desired state older than one already seen (by revision) is ignored, and
-a record that does not parse is logged and skipped: neither ends the follower.
+enough, every worker (itself too) applies it when it reads it back. A rollback whose
+write fails is written again (with a growing pause) until Kafka confirms it or a newer
+revision of its pipeline makes it obsolete; the follower never waits for the write. Every
+Kafka call has a timeout. A desired state older than one already seen (by revision) is
+ignored, and a record that does not parse is logged and skipped: neither ends the follower.
+
+Revisions count within one incarnation of the control topic: an operator who deletes and
+recreates it starts them again from 1. The follower checks the topic's id every heartbeat;
+when it changes, it reads the new topic from its start and follows that (what it saw of
+the old one no longer holds newer revisions back).
+
+`change_desired` writes a change of a pipeline's desired state (`headrace models deploy`)
+so that two at once cannot both build on the same revision: see its docstring.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,13 +36,24 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicCollection,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
 
 from infra.kafka_clients import client_settings
 from infra.topics import ensure_topics
+from schemas.errors import HeadraceError
 from streams.config import HeadraceConfig
 from streams.errors import ConfigError
 from streams.guardrail import Guardrail
@@ -41,6 +63,23 @@ log = logging.getLogger(__name__)
 Mode = Literal["canary", "shadow"]
 _COMPACTED = {"cleanup.policy": "compact"}
 T = TypeVar("T")
+
+# A guardrail's rollback that Kafka did not take is written again after this pause,
+# doubled at each failure up to the cap: a broker away is not hammered, one back soon is
+# not waited for long.
+ROLLBACK_RETRY_S = 0.5
+ROLLBACK_RETRY_MAX_S = 30.0
+# How long the follower's producer keeps a record before reporting it failed (librdkafka's
+# default, 5 min, would hide a rollback's failure that long; heartbeats that old are
+# useless anyway). A rollback that fails is produced again, so nothing is given up.
+_DELIVERY_TIMEOUT_MS = 30_000
+
+
+class ConcurrentChange(HeadraceError):
+    """Another command changed the same pipeline's desired state at the same time; this
+    change was not written."""
+
+    exit_status = 75  # EX_TEMPFAIL: run it again
 
 
 def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
@@ -114,6 +153,18 @@ class Desired:
                        reason=reason)  # fmt: skip
 
 
+@dataclass
+class _PendingRollback:
+    """A guardrail's rollback until Kafka confirms it written (or it is obsolete)."""
+
+    desired: Desired
+    due_s: float = 0.0
+    """When (the follower's clock) to produce it next."""
+    failures: int = 0
+    in_flight: bool = False
+    """Produced, its delivery report not yet served."""
+
+
 @dataclass(frozen=True)
 class Report:
     """A worker's heartbeat for one pipeline: what it serves, and what it refused."""
@@ -159,6 +210,9 @@ def _consumer(config: HeadraceConfig, topic: str, offset: int = OFFSET_BEGINNING
         "group.id": f"{config.app_id}.control",
         "enable.auto.commit": False,
         "enable.partition.eof": True,
+        # librdkafka's default, named because `change_desired` writes in transactions:
+        # a change is read once committed, never one that was fenced and aborted.
+        "isolation.level": "read_committed",
     })  # fmt: skip
     consumer.assign([TopicPartition(topic, 0, offset)])
     return consumer
@@ -228,6 +282,57 @@ def write_desired(config: HeadraceConfig, desired: Desired, timeout_s: float = 1
     _write(config, config.control.topic, f"{desired.pipeline}", desired.to_json(), timeout_s)
 
 
+def change_desired(
+    config: HeadraceConfig,
+    pipeline: str,
+    change: Callable[[], Desired],
+    timeout_s: float = 10.0,
+) -> Desired:
+    """Write the desired state `change()` returns (it reads the current one and builds on
+    it) so that a concurrent change of the same pipeline is never silently lost: one of
+    two overlapping commands raises ConcurrentChange and writes nothing. Blocks up to a
+    few `timeout_s`; ConfigError when Kafka does not take the write.
+
+    How: the write is a Kafka transaction whose transactional.id names the pipeline.
+    `init_transactions` fences every earlier producer with that id (its open transaction
+    is aborted, its commit fails), and `change()` runs after it, so it reads every change
+    committed before; a command that read, then was overtaken, cannot commit. Followers
+    read committed records only (`_consumer`)."""
+    ensure_control_topics(config)
+    topic = config.control.topic
+    broker = config.broker
+    producer = Producer({
+        **client_settings(broker.bootstrap_servers, "control", timeout_s),
+        "transactional.id": f"{topic}:{config.app_id}/{pipeline}",
+        # An open transaction holds back every reader of the topic: one left by a
+        # command killed before it committed is aborted after this.
+        "transaction.timeout.ms": int(2 * timeout_s * 1000),
+    })  # fmt: skip
+    try:
+        producer.init_transactions(timeout_s)
+        desired = change()
+        producer.begin_transaction()
+        producer.produce(topic, desired.to_json(), f"{config.app_id}/{pipeline}".encode())
+        producer.commit_transaction(timeout_s)
+    except KafkaException as exc:
+        error = exc.args[0]
+        if error.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                            KafkaError.INVALID_PRODUCER_EPOCH):  # fmt: skip
+            raise ConcurrentChange(
+                f"pipeline {pipeline}: another command changed its desired state while this "
+                "one did; this change was not written; hint: see `headrace models status "
+                f"{pipeline}`, then run the command again"
+            ) from exc
+        if error.txn_requires_abort():
+            with contextlib.suppress(KafkaException):  # not committed either way
+                producer.abort_transaction(timeout_s)
+        raise ConfigError(
+            f"pipeline {pipeline}: could not write to {topic!r}: {error.str()}; hint: is "
+            "the broker running? `headrace models status` shows what is desired"
+        ) from exc
+    return desired
+
+
 def _write(config: HeadraceConfig, topic: str, key: str, value: bytes, timeout_s: float) -> None:
     broker = config.broker
     producer = Producer(client_settings(broker.bootstrap_servers, "control", timeout_s))
@@ -250,25 +355,37 @@ class ControlFollower:
         apply: Callable[[Desired], None],
         applied: Callable[[], list[Report]],
         guard: Callable[[], list[Desired]] = list,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._pipelines = set(pipelines)
         self._apply = apply
         self._applied = applied
         self._guard = guard
+        self._clock = clock
+        self._rollbacks: dict[str, _PendingRollback] = {}
+        """Per pipeline, the guardrail's rollback not yet confirmed written."""
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen: dict[str, Desired] = {}
         self._offset = OFFSET_BEGINNING
         """Where the follower starts reading: where `catch_up` ended."""
+        self._topic_id: str | None = None
+        """The id of the control topic's incarnation read (None: it did not exist yet)."""
         broker = config.broker
         self._producer = Producer({
             **client_settings(broker.bootstrap_servers, "control", broker.connect_timeout_s),
             "linger.ms": 0,
+            "message.timeout.ms": _DELIVERY_TIMEOUT_MS,
         })  # fmt: skip
+        self._admin = AdminClient(
+            client_settings(broker.bootstrap_servers, "control", broker.connect_timeout_s)
+        )
 
     def catch_up(self, timeout_s: float = 10.0) -> None:
         """Apply the desired state as it stands now (blocks while versions load)."""
+        # The id first: a topic recreated while it is read shows as a change later.
+        self._topic_id = self._answered_topic_id(self._ask_topic_id(), timeout_s)
         topic = self._config.control.topic
         states, self._offset = read_latest(self._config, topic, Desired.from_json, timeout_s)
         for name, desired in states.items():
@@ -293,14 +410,60 @@ class ControlFollower:
         self._producer.poll(0)
 
     def _write_rollbacks(self) -> None:
-        rollbacks = [desired for desired in self._guard() if self._current(desired)]
-        for desired in rollbacks:
-            key = f"{self._config.app_id}/{desired.pipeline}"
-            self._producer.produce(self._config.control.topic, desired.to_json(), key)
-        timeout_s = self._config.broker.connect_timeout_s
-        if rollbacks and self._producer.flush(timeout_s):
-            log.error("a guardrail's rollback was not written within %g s (still queued)",
-                      timeout_s)  # fmt: skip
+        """Produce the rollbacks the guardrails decided, and again those whose write failed
+        when their pause is over; never waits for Kafka (delivery reports come through
+        `poll`, here or in `heartbeat`)."""
+        for desired in self._guard():
+            waiting = self._rollbacks.get(desired.pipeline)
+            newer = waiting is None or desired.revision > waiting.desired.revision
+            if newer and self._current(desired):
+                self._rollbacks[desired.pipeline] = _PendingRollback(desired)
+        now = self._clock()
+        for name, pending in list(self._rollbacks.items()):
+            seen = self._seen.get(name)
+            if seen is not None and seen.revision >= pending.desired.revision:
+                # Read back (this write or another worker's), or overtaken by a newer change.
+                if pending.failures:
+                    log.warning("pipeline %s: the guardrail's rollback to revision %d is no "
+                                "longer written, revision %d was read", name,
+                                pending.desired.revision, seen.revision)  # fmt: skip
+                del self._rollbacks[name]
+            elif not pending.in_flight and now >= pending.due_s:
+                self._produce_rollback(pending)
+        self._producer.poll(0)
+
+    def _produce_rollback(self, pending: _PendingRollback) -> None:
+        desired = pending.desired
+        key = f"{self._config.app_id}/{desired.pipeline}"
+        pending.in_flight = True
+        try:
+            self._producer.produce(
+                self._config.control.topic, desired.to_json(), key,
+                on_delivery=lambda error, _message: self._delivered(pending, error),
+            )  # fmt: skip
+        except (BufferError, KafkaException) as exc:  # a full queue: a failed attempt too
+            self._delivered(pending, exc)
+
+    def _delivered(self, pending: _PendingRollback, error: object) -> None:
+        """A rollback's delivery report (None: written). Runs in `poll`."""
+        pending.in_flight = False
+        name, revision = pending.desired.pipeline, pending.desired.revision
+        if self._rollbacks.get(name) is not pending:
+            return  # obsolete meanwhile
+        if error is None:
+            del self._rollbacks[name]
+            if pending.failures:
+                log.warning("pipeline %s: the guardrail's rollback to revision %d written after "
+                            "%d failed attempts", name, revision, pending.failures)  # fmt: skip
+            return
+        pending.failures += 1
+        pause_s = min(ROLLBACK_RETRY_MAX_S, ROLLBACK_RETRY_S * 2 ** (pending.failures - 1))
+        pending.due_s = self._clock() + pause_s
+        if pending.failures == 1:  # once per failure: retries until written say nothing
+            reason = error.str() if isinstance(error, KafkaError) else str(error)
+            log.error("pipeline %s: the guardrail's rollback to revision %d could not be "
+                      "written (%s); the candidate serves until it is: retrying",
+                      name, revision, reason)  # fmt: skip
 
     def _current(self, rollback: Desired) -> bool:
         """Whether a guardrail's rollback was built from the latest revision seen: one
@@ -329,17 +492,63 @@ class ControlFollower:
             log.exception("pipeline %s: applying deployment %s failed", name, desired)
         self.heartbeat()  # report a change at once
 
+    def _ask_topic_id(self) -> Future:
+        """A future of the control topic's description (answered on the admin client's
+        own thread: nothing waits for it)."""
+        self._admin.poll(0)  # serves its log lines: nothing else polls it
+        topic = self._config.control.topic
+        timeout_s = self._config.broker.connect_timeout_s
+        return self._admin.describe_topics(TopicCollection([topic]),
+                                           request_timeout=timeout_s)[topic]  # fmt: skip
+
+    def _answered_topic_id(self, answer: Future, timeout_s: float = 0) -> str | None:
+        """The topic's id, or None: it does not exist, or the broker did not answer."""
+        try:
+            return str(answer.result(timeout_s).topic_id)
+        except Exception as exc:  # any failure: the next check asks again
+            log.debug("control topic id not known: %s", exc)
+            return None
+
+    def _check_topic(self, answer: Future, consumer: Consumer) -> None:
+        """Follow a new incarnation of the control topic when its id changed."""
+        topic_id = self._answered_topic_id(answer)
+        if topic_id is None or topic_id == self._topic_id:
+            return
+        if self._topic_id is not None:
+            topic = self._config.control.topic
+            states, offset = read_latest(self._config, topic, Desired.from_json,
+                                         self._config.broker.connect_timeout_s)  # fmt: skip
+            log.warning("control topic %r was recreated (id %s, was %s): following it from "
+                        "its start", topic, topic_id, self._topic_id)  # fmt: skip
+            # Revisions start again: the old topic's no longer hold the new ones back, and
+            # a rollback built from them would undo the new topic's changes.
+            self._seen.clear()
+            self._rollbacks.clear()
+            for name, desired in states.items():
+                self._follow(name, desired)
+            # Where the old topic ended is no place in the new one.
+            consumer.assign([TopicPartition(topic, 0, offset)])
+        self._topic_id = topic_id
+
     def _run(self) -> None:
         topic = self._config.control.topic
         consumer = _consumer(self._config, topic, self._offset)
         prefix = f"{self._config.app_id}/"
         interval_s = self._config.control.heartbeat_interval_s
         next_beat = 0.0
+        topic_answer: Future | None = None
         try:
             while not self._stopping.is_set():
                 if time.monotonic() >= next_beat:
                     self.heartbeat()
                     next_beat = time.monotonic() + interval_s
+                    topic_answer = topic_answer or self._ask_topic_id()
+                if topic_answer is not None and topic_answer.done():
+                    try:
+                        self._check_topic(topic_answer, consumer)
+                    except ConfigError as exc:  # not read to its end: the next check retries
+                        log.warning("%s", exc)
+                    topic_answer = None
                 self._write_rollbacks()
                 message = consumer.poll(min(0.5, interval_s))
                 if message is None or message.error():

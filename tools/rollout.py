@@ -4,12 +4,20 @@ pipeline written to the control topic, and what each live worker reports it appl
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.registry import resolve_model, with_version
 from schemas.errors import HeadraceError
 from streams.config import HeadraceConfig, PipelineConfig
-from streams.control import Desired, Mode, Report, desired_states, worker_reports, write_desired
+from streams.control import (
+    Desired,
+    Mode,
+    Report,
+    change_desired,
+    desired_states,
+    worker_reports,
+)
 from streams.errors import ConfigError
 from streams.guardrail import Guardrail
 
@@ -20,6 +28,15 @@ _POLL_S = 0.5
 
 def current(config: HeadraceConfig, spec: PipelineConfig) -> Desired:
     return desired_states(config).get(spec.name) or Desired(spec.name)
+
+
+def _change(
+    config: HeadraceConfig, spec: PipelineConfig, build: Callable[[Desired], Desired]
+) -> Desired:
+    """Write `build(current state)`. The current state is read inside `change_desired`'s
+    fence: a command running at the same time on the pipeline fails (ConcurrentChange)
+    instead of one of the two changes being lost."""
+    return change_desired(config, spec.name, lambda: build(current(config, spec)))
 
 
 def deploy(
@@ -37,21 +54,15 @@ def deploy(
     # An alias is written as the version it names now: workers already serving would
     # not see the alias move, workers started later would.
     resolved = resolve_model(with_version(spec.model, version)).version or version
-    desired = current(config, spec).deploy(resolved, mode, canary_percent, guardrail)
-    write_desired(config, desired)
-    return desired
+    return _change(config, spec, lambda now: now.deploy(resolved, mode, canary_percent, guardrail))
 
 
 def promote(config: HeadraceConfig, spec: PipelineConfig) -> Desired:
-    desired = current(config, spec).promote()
-    write_desired(config, desired)
-    return desired
+    return _change(config, spec, Desired.promote)
 
 
 def rollback(config: HeadraceConfig, spec: PipelineConfig, reason: str = "rollback") -> Desired:
-    desired = current(config, spec).rollback(reason)
-    write_desired(config, desired)
-    return desired
+    return _change(config, spec, lambda now: now.rollback(reason))
 
 
 def describe(desired: Desired) -> str:

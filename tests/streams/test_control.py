@@ -1,12 +1,17 @@
 """The control follower against a fake one-partition control topic: where a restarted
-worker starts, which desired states it applies, and records that do not parse."""
+worker starts, which desired states it applies, records that do not parse, a guardrail's
+rollback whose write fails, and a control topic deleted and recreated."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
+import uuid
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, KafkaError
@@ -46,11 +51,22 @@ class Topic:
     def __init__(self) -> None:
         self.records: list[tuple[bytes, bytes]] = []
         self.changed = threading.Condition()
+        self.id = uuid.uuid4().hex
+        self.failures: list[KafkaError] = []
+        """What the next writes of the control topic fail with (then they succeed)."""
+        self.attempts = 0
+        """Writes of the control topic tried, failed ones included."""
 
     def append(self, value: bytes, key: bytes = KEY) -> None:
         with self.changed:
             self.records.append((key, value))
             self.changed.notify_all()
+
+    def recreate(self) -> None:
+        """Deleted and created again: empty, a new id, offsets from 0 again."""
+        with self.changed:
+            self.records = []
+            self.id = uuid.uuid4().hex
 
 
 class FakeConsumer:
@@ -89,17 +105,45 @@ class FakeConsumer:
 
 
 class FakeProducer:
+    """Writes at once; delivery reports (failed ones as `Topic.failures` says) in `poll`."""
+
+    def __init__(self, topic: Topic) -> None:
+        self.topic = topic
+        self.reports: list[tuple] = []
+
+    def produce(self, topic, value, key=None, on_delivery=None, **_) -> None:
+        if topic != TOPIC:
+            return
+        self.topic.attempts += 1
+        error = self.topic.failures.pop(0) if self.topic.failures else None
+        if error is None:
+            self.topic.append(value, key.encode() if isinstance(key, str) else key)
+        if on_delivery is not None:
+            self.reports.append((on_delivery, error))
+
+    def poll(self, _timeout) -> int:
+        reports, self.reports = self.reports, []
+        for on_delivery, error in reports:
+            on_delivery(error, None)
+        return len(reports)
+
+    def flush(self, _timeout=None) -> int:
+        self.poll(0)
+        return 0
+
+
+class FakeAdmin:
+    """Describes the control topic: its id."""
+
     def __init__(self, topic: Topic) -> None:
         self.topic = topic
 
-    def produce(self, topic, value, key=None, **_) -> None:
-        if topic == TOPIC:
-            self.topic.append(value, key.encode() if isinstance(key, str) else key)
+    def describe_topics(self, topics, request_timeout=None):
+        answer = Future()
+        answer.set_result(SimpleNamespace(topic_id=self.topic.id))
+        return {name: answer for name in topics.topic_names}
 
     def poll(self, _timeout) -> int:
-        return 0
-
-    def flush(self, _timeout=None) -> int:
         return 0
 
 
@@ -109,15 +153,19 @@ def topic(monkeypatch) -> Topic:
     found.starts = []  # where each consumer was assigned
     monkeypatch.setattr(control, "Consumer", lambda _settings: FakeConsumer(found))
     monkeypatch.setattr(control, "Producer", lambda _settings: FakeProducer(found))
+    monkeypatch.setattr(control, "AdminClient", lambda _settings: FakeAdmin(found))
     return found
 
 
 class Follower:
     """A ControlFollower of pipeline fraud that records what it applies."""
 
-    def __init__(self, guard=list) -> None:
+    def __init__(self, guard=list, config: HeadraceConfig = CONFIG, clock=None) -> None:
         self.applied: list[Desired] = []
-        self.follower = ControlFollower(CONFIG, ["fraud"], self.applied.append, list, guard)
+        clocked = {"clock": clock} if clock is not None else {}
+        self.follower = ControlFollower(
+            config, ["fraud"], self.applied.append, list, guard, **clocked
+        )
 
     def __enter__(self) -> Follower:
         self.follower.catch_up()
@@ -198,3 +246,81 @@ def test_unknown_fields_of_a_newer_writer_are_logged_once_not_at_every_read(capl
         for _ in range(5):
             assert Desired.from_json(raw).serving == "2"
     assert sum("from_a_newer_cli" in r.getMessage() for r in caplog.records) <= 1
+
+
+def guarded_canary() -> Desired:
+    """Revision 5: a guarded canary v5 after `history()`."""
+    return history()[-1].deploy("5", "canary", 10, Guardrail(max_p99_increase_ms=20))
+
+
+def test_a_guardrail_rollback_whose_write_fails_is_written_again_until_it_is(
+    topic, monkeypatch, caplog
+):
+    """A rollback decided once, its first writes failing: written the fourth time, and
+    the failure logged once, not at every attempt."""
+    for desired in [*history(), guarded_canary()]:
+        topic.append(desired.to_json())
+    monkeypatch.setattr(control, "ROLLBACK_RETRY_S", 0.01)
+    topic.failures = [KafkaError(KafkaError._MSG_TIMED_OUT)] * 3
+    decided = iter([[guarded_canary().rollback("guardrail: latency")]])
+    with (
+        caplog.at_level(logging.WARNING, "streams.control"),
+        Follower(lambda: next(decided, [])) as worker,
+    ):
+        assert wait_until(lambda: worker.revisions()[-1:] == [6], 10), worker.revisions()
+    written = [Desired.from_json(value) for _, value in topic.records[5:]]
+    assert [(d.revision, d.reason) for d in written] == [(6, "guardrail: latency")]
+    assert topic.attempts == 4
+    failed = [r for r in caplog.records if "could not be written" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].levelname == "ERROR", failed
+
+
+def test_a_failing_rollback_is_retried_with_a_bounded_backoff_until_a_newer_revision(topic):
+    """Pauses double up to the cap; a newer revision read makes the rollback obsolete."""
+    for desired in [*history(), guarded_canary()]:
+        topic.append(desired.to_json())
+    topic.failures = [KafkaError(KafkaError._MSG_TIMED_OUT)] * 1_000
+    now = [0.0]
+    decided = iter([[guarded_canary().rollback("guardrail: latency")]])
+    worker = Follower(lambda: next(decided, []), clock=lambda: now[0])
+    worker.follower.catch_up()  # not started: the test drives it
+    tried_at = []
+    while now[0] < 200:
+        before = topic.attempts
+        worker.follower._write_rollbacks()
+        worker.follower._producer.poll(0)  # its delivery reports, as the heartbeat does
+        tried_at += [now[0]] * (topic.attempts - before)
+        now[0] = round(now[0] + 0.1, 1)
+    pauses = [round(b - a, 1) for a, b in itertools.pairwise(tried_at)]
+    assert pauses[:8] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0], pauses
+    assert max(pauses) == control.ROLLBACK_RETRY_MAX_S
+    # An operator's deploy of revision 6 read: the rollback is no longer written.
+    worker.follower._follow("fraud", guarded_canary().deploy("7", None, 0))
+    tried = topic.attempts
+    for _ in range(700):
+        worker.follower._write_rollbacks()
+        now[0] += 0.1
+    assert topic.attempts == tried
+
+
+def test_a_recreated_control_topic_is_followed_from_its_start(topic):
+    """Revisions start again at 1 in the new topic: its deploy is followed, and older
+    revisions are history again within it."""
+    quick = CONFIG.model_copy(
+        update={"control": CONFIG.control.model_copy(update={"heartbeat_interval_s": 0.05})}
+    )
+    for desired in history():
+        topic.append(desired.to_json())
+    with Follower(config=quick) as worker:
+        assert worker.revisions() == [4]
+        topic.recreate()
+        first = Desired("fraud").deploy("7", None, 0)
+        topic.append(first.to_json())
+        topic.append(first.deploy("8", None, 0).to_json())
+        assert wait_until(lambda: worker.revisions()[-1:] == [2], 10), worker.revisions()
+        topic.append(first.to_json())  # a late write of revision 1: history
+        topic.append(first.deploy("8", None, 0).deploy("9", None, 0).to_json())
+        assert wait_until(lambda: worker.revisions()[-1:] == [3], 10), worker.revisions()
+    # Revision 1 applied too where the recreation was noticed before revision 2 came.
+    assert worker.revisions()[1:] in ([2, 3], [1, 2, 3]), worker.revisions()
+    assert worker.applied[-1].serving == "9"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from confluent_kafka import KafkaError, KafkaException
 
 from infra.ports import free_port
 from schemas.errors import DecodeError
@@ -168,12 +169,26 @@ class FakeBroker:
         broker, pending = self, []
 
         class FakeProducer:
-            def produce(self, topic, value, key, on_delivery) -> None:
+            def produce(self, topic, value, key, on_delivery=None) -> None:
                 pending.append((topic, value))
 
             def flush(self, timeout_s: float) -> int:
                 broker.written += [(t, v) for t, v in pending if t in broker.topics]
                 return sum(1 for topic, _ in pending if topic not in broker.topics)
+
+            # A deploy writes in a transaction (`change_desired`): its commit is a flush.
+            def init_transactions(self, timeout_s: float) -> None:
+                pass
+
+            def begin_transaction(self) -> None:
+                pass
+
+            def commit_transaction(self, timeout_s: float) -> None:
+                if self.flush(timeout_s):
+                    raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+
+            def abort_transaction(self, timeout_s: float) -> None:
+                pass
 
         return FakeProducer()
 

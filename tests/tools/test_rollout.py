@@ -25,7 +25,12 @@ def test_deploying_an_alias_writes_the_version_it_names_now(tmp_path, monkeypatc
     config = HeadraceConfig.model_validate(raw)
     written = []
     monkeypatch.setattr(rollout, "desired_states", lambda _config: {})
-    monkeypatch.setattr(rollout, "write_desired", lambda _config, desired: written.append(desired))
+
+    def change(_config, _pipeline, build):
+        written.append(build())
+        return written[-1]
+
+    monkeypatch.setattr(rollout, "change_desired", change)
 
     desired = rollout.deploy(config, config.pipelines[0], "@champion")
     # Workers running when the alias moves keep serving v2, as do those started later.
