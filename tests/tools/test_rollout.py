@@ -12,12 +12,18 @@ from tools import rollout
 from tools.deploy import sample_config
 
 
-def test_deploying_an_alias_writes_the_version_it_names_now(tmp_path, monkeypatch):
+def registry_with_three_versions(tmp_path: Path) -> tuple[FolderRegistry, Path]:
+    """A folder registry holding versions 1 to 3 of `fraud-mlp`, and their artifact."""
     registry = FolderRegistry(tmp_path / "registry")
     artifact = tmp_path / "m.onnx"
     artifact.write_bytes(b"onnx")
     for _ in range(3):
         registry.register("fraud-mlp", artifact, {})
+    return registry, artifact
+
+
+def test_deploying_an_alias_writes_the_version_it_names_now(tmp_path, monkeypatch):
+    registry, artifact = registry_with_three_versions(tmp_path)
     registry.set_alias("fraud-mlp", "champion", "2")
     raw = sample_config("k:9092", Path("repo"), artifact)
     raw["pipelines"][0]["model"] = {"name": "fraud-mlp", "version": "1",

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from infra.topics import delete_topics
-from models.registry import FolderRegistry
 from streams.config import HeadraceConfig
 from streams.control import ConcurrentChange, desired_states
+from tests.tools.test_rollout import registry_with_three_versions
 from tools import rollout
 from tools.deploy import sample_config
 
@@ -21,11 +21,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def config(kafka, tmp_path):
     """A pipeline whose registry holds versions 1 to 3, with its own control topics."""
-    registry = FolderRegistry(tmp_path / "registry")
-    artifact = tmp_path / "m.onnx"
-    artifact.write_bytes(b"onnx")
-    for _ in range(3):
-        registry.register("fraud-mlp", artifact, {})
+    registry, artifact = registry_with_three_versions(tmp_path)
     suffix = uuid.uuid4().hex[:8]
     raw = sample_config(kafka.bootstrap_servers, Path("repo"), artifact)
     raw["pipelines"][0]["model"] = {"name": "fraud-mlp", "version": "1",
