@@ -83,9 +83,9 @@ def foreign_http() -> Iterator[Callable[[str], int]]:
         server.server_close()
 
 
-def answers(port: int) -> bool:
+def answers(port: int, path: str = "/") -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
             return response.status == 200
     except OSError:
         return False
@@ -368,19 +368,11 @@ def test_monitor_start_on_another_port_while_it_runs_is_refused_naming_its_port(
             f"{other}; hint: stop it first (`headrace monitor stop --state-dir {state}`), or "
             f"start it with --port {port}"
         ]
-        assert answers_ready(port)
-        assert not answers_ready(other)
+        assert answers(port, "/-/ready")
+        assert not answers(other, "/-/ready")
         again = start(port)  # the same port: it runs, its config is reloaded
         assert again.code == 0, again.output
         assert f"prometheus at http://127.0.0.1:{port} (already running" in again.output
         assert ServiceProcess("prometheus", state).pid() == pid
     finally:
         headrace("monitor", "stop", "--state-dir", str(state), cwd=tmp_path)
-
-
-def answers_ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
