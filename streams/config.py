@@ -25,11 +25,13 @@ _AVRO_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 class BrokerConfig(_Frozen):
     bootstrap_servers: str = Field("127.0.0.1:9092", min_length=1)
     """Comma-separated host:port list of the Kafka brokers."""
-    fetch_max_wait_ms: int = Field(5, ge=0, le=1000)
+    fetch_max_wait_ms: int | None = Field(None, ge=0, le=1000)
     """Longest a fetch waits at the broker for `fetch_min_bytes`: more records per fetch
-    (less CPU per event, in the worker and the broker) for at most this much latency."""
-    fetch_min_bytes: int = Field(16_384, ge=1, le=50_000_000)
-    """Bytes a fetch waits for (up to `fetch_max_wait_ms`) before the broker answers."""
+    (less CPU per event, in the worker and the broker) for at most this much latency.
+    Unset: the runtime's own (`fetching`)."""
+    fetch_min_bytes: int | None = Field(None, ge=1, le=50_000_000)
+    """Bytes a fetch waits for (up to `fetch_max_wait_ms`) before the broker answers.
+    Unset: the runtime's own (`fetching`)."""
     max_partition_fetch_bytes: int = Field(1_048_576, ge=1_024, le=1_000_000_000)
     """Bytes one fetch asks of each partition (both runtimes). A larger record is still
     fetched, whole and alone (brokers return a fetch's first record batch whatever its
@@ -79,6 +81,25 @@ class BrokerConfig(_Frozen):
     @property
     def connect_timeout_s(self) -> float:
         return self.connect_timeout_ms / 1000
+
+    def fetching(self, runtime: str) -> tuple[int, int]:
+        """(fetch_max_wait_ms, fetch_min_bytes): those set, else the runtime's own
+        (`RUNTIME_FETCH`)."""
+        wait_ms, min_bytes = RUNTIME_FETCH[runtime]
+        return (
+            wait_ms if self.fetch_max_wait_ms is None else self.fetch_max_wait_ms,
+            min_bytes if self.fetch_min_bytes is None else self.fetch_min_bytes,
+        )
+
+
+# Each runtime's fetch settings where the config sets none. Bare: every fetch answered
+# on its first byte (Kafka's own default; librdkafka cannot change its wait while it
+# runs). On two cores that took 3 ms off its p50 at light load and kept its limit within
+# a run's noise, for up to twice the CPU per event between (README, "Latency first, on
+# both runtimes"). Faust: what a busy fetch waits for; it answers idle and light-load
+# fetches on their first byte anyway (`streams/consumers/faust_feed.py`), and its Python
+# fetch path costs about twice bare's per fetch.
+RUNTIME_FETCH: dict[str, tuple[int, int]] = {"bare": (500, 1), "faust": (5, 16_384)}
 
 
 class PriorityConfig(_Frozen):

@@ -823,13 +823,14 @@ def demo(
 @click.option(
     "--fetch-min-bytes",
     type=click.IntRange(min=1),
-    help="The workers' and the relay's broker.fetch_min_bytes [default: the config's, 16384].",
+    help="The workers' and the relay's broker.fetch_min_bytes [default: each runtime's: "
+    "bare and the relay 1, Faust 16384].",
 )
 @click.option(
     "--fetch-max-wait-ms",
     type=click.IntRange(0, 1000),
-    help="Their broker.fetch_max_wait_ms [default: 5]; 500 with --fetch-min-bytes 1 answers "
-    "every fetch on its first byte (latency first).",
+    help="Their broker.fetch_max_wait_ms [default: bare and the relay 500, Faust 5]; 500 "
+    "with --fetch-min-bytes 1 answers every fetch on its first byte (latency first).",
 )
 @click.option(
     "--no-baselines",

@@ -81,6 +81,7 @@ class BareConsumer:
         answered_before: AnsweredBefore | None = None,
     ) -> None:
         bootstrap, timeout_s = config.broker.bootstrap_servers, config.broker.connect_timeout_s
+        fetch_wait_ms, fetch_min_bytes = config.broker.fetching("bare")
         self._consumer = Consumer(
             {
                 **client_settings(bootstrap, "consumer", timeout_s),
@@ -102,8 +103,8 @@ class BareConsumer:
                 "topic.metadata.refresh.interval.ms": config.broker.metadata_refresh_ms,
                 # Bound librdkafka's own prefetch buffer too (KiB per partition).
                 "queued.max.messages.kbytes": 8192,
-                "fetch.wait.max.ms": config.broker.fetch_max_wait_ms,
-                "fetch.min.bytes": config.broker.fetch_min_bytes,
+                "fetch.wait.max.ms": fetch_wait_ms,
+                "fetch.min.bytes": fetch_min_bytes,
                 # Soft bounds: a larger record still comes, whole, as a fetch of its own.
                 "max.partition.fetch.bytes": config.broker.max_partition_fetch_bytes,
                 "fetch.max.bytes": config.broker.fetch_max_bytes,

@@ -88,7 +88,7 @@ def _serve(
 ) -> None:
     app = FeedApp(
         config.app_id,
-        fetch=(config.broker.fetch_max_wait_ms, config.broker.fetch_min_bytes),
+        fetch=config.broker.fetching("faust"),
         fetch_max_bytes=config.broker.fetch_max_bytes,
         # aiokafka's max_partition_fetch_bytes. Soft, like fetch_max_bytes: a larger
         # record still comes, whole, as a fetch of its own.

@@ -142,3 +142,15 @@ def test_exactly_once_is_a_choice_of_either_runtime(tmp_path, runtime):
         write(tmp_path, {**valid(), "runtime": runtime, "delivery": "exactly_once"})
     )
     assert config.delivery == "exactly_once"
+
+
+def test_fetching_is_each_runtimes_own_unless_set(tmp_path):
+    # Bare answers each fetch on its first byte; Faust's busy fetches wait for 16 KiB
+    # (its light-load fetches are answered on their first byte by `FetchPace`).
+    broker = load_config(write(tmp_path, valid())).broker
+    assert broker.fetching("bare") == (500, 1)
+    assert broker.fetching("faust") == (5, 16_384)
+    data = {**valid(), "broker": {"fetch_max_wait_ms": 2}}
+    broker = load_config(write(tmp_path, data)).broker
+    assert broker.fetching("bare") == (2, 1)
+    assert broker.fetching("faust") == (2, 16_384)

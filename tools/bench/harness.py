@@ -129,11 +129,11 @@ class BenchSettings(BaseModel):
     max_batch_size: int = Field(64, ge=1, le=4096)
     max_wait_ms: float = Field(5.0, ge=0)
     fetch_min_bytes: int | None = Field(None, ge=1)
-    """The workers' and the relay's `broker.fetch_min_bytes` (None: the worker config's
-    default). With `fetch_max_wait_ms` 500 and 1 byte, every fetch is answered on its
-    first byte: the latency-first setting."""
+    """The workers' and the relay's `broker.fetch_min_bytes` (None: each runtime's own,
+    the relay's bare's). With `fetch_max_wait_ms` 500 and 1 byte, every fetch is
+    answered on its first byte: the latency-first setting."""
     fetch_max_wait_ms: int | None = Field(None, ge=0, le=1000)
-    """The workers' and the relay's `broker.fetch_max_wait_ms` (None: the default)."""
+    """The workers' and the relay's `broker.fetch_max_wait_ms` (None: as above)."""
     baselines: bool = True
     passes: int = Field(1, ge=1, le=4)
     """Sweeps of every system. Each pass runs them in the opposite order to the pass
@@ -589,9 +589,8 @@ class Bench:
         their CPU per event and latency, and the ceiling of their rate."""
         source = self._topic("relay-in", self.settings.partitions)
         sink = self._topic("relay-out", self.settings.partitions)
-        fetching = BrokerConfig(**self._fetch_settings())
-        fetch = {"fetch.min.bytes": fetching.fetch_min_bytes,
-                 "fetch.wait.max.ms": fetching.fetch_max_wait_ms}  # fmt: skip
+        wait_ms, min_bytes = BrokerConfig(**self._fetch_settings()).fetching("bare")
+        fetch = {"fetch.min.bytes": min_bytes, "fetch.wait.max.ms": wait_ms}
         log = LatencyLog()
         system = SystemUnderTest("relay", source, raw_reader(self.bootstrap, [sink], log), log,
                                  profiled=False)  # fmt: skip

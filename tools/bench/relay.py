@@ -10,7 +10,7 @@ what they cost:
 
     python -m tools.bench.relay --bootstrap 127.0.0.1:9092 --rate 100 --seconds 15
     python -m tools.bench.relay --bootstrap 127.0.0.1:9092 --rate 100 --seconds 15 \\
-        --fetch-min-bytes 1 --fetch-max-wait-ms 500 --set queued.min.messages=1000 --one-key
+        --fetch-min-bytes 16384 --fetch-max-wait-ms 5 --one-key
 
 Prints the relay process's CPU per event, its idle cores, and the round trip's
 percentiles (from each input's intended send time to the moment its copy is read).
@@ -32,6 +32,7 @@ from confluent_kafka import Consumer, Producer
 
 from infra.kafka_clients import client_settings
 from infra.topics import delete_topics, ensure_topics
+from streams.config import RUNTIME_FETCH
 from tools.bench.cpu import cpu_seconds
 from tools.bench.latency import LatencyLog, LatencySummary, raw_reader
 from tools.deploy import start_process
@@ -158,8 +159,8 @@ def _records(value: bytes, one_key: bool = False) -> Iterator[tuple[bytes, bytes
 @click.option("--bootstrap", required=True, help="A running broker.")
 @click.option("--rate", type=float, default=100.0, show_default=True)
 @click.option("--seconds", type=float, default=15.0, show_default=True)
-@click.option("--fetch-min-bytes", type=int, default=16_384, show_default=True)
-@click.option("--fetch-max-wait-ms", type=int, default=5, show_default=True)
+@click.option("--fetch-min-bytes", type=int, default=RUNTIME_FETCH["bare"][1], show_default=True)
+@click.option("--fetch-max-wait-ms", type=int, default=RUNTIME_FETCH["bare"][0], show_default=True)
 @click.option(
     "--set",
     "settings",
