@@ -94,9 +94,10 @@ class BrokerConfig(_Frozen):
 
 # Each runtime's fetch settings where the config sets none. Bare: every fetch answered
 # on its first byte (Kafka's own default; librdkafka cannot change its wait while it
-# runs). On two cores that took 3 ms off its p50 at light load and kept its limit within
-# a run's noise, for up to twice the CPU per event between (README, "Latency first, on
-# both runtimes"). Faust: what a busy fetch waits for; it answers idle and light-load
+# runs). On two cores that took 3 ms off its p50 at light load and most of what an idle
+# worker costs the broker, for up to twice the CPU per event below the limit and, in
+# some runs, up to a third of the limit (README, "Latency first, on both runtimes").
+# Faust: what a busy fetch waits for; it answers idle and light-load
 # fetches on their first byte anyway (`streams/consumers/faust_feed.py`), and its Python
 # fetch path costs about twice bare's per fetch.
 RUNTIME_FETCH: dict[str, tuple[int, int]] = {"bare": (500, 1), "faust": (5, 16_384)}
