@@ -84,8 +84,10 @@ class ServiceProcess:
     def ports(self) -> dict[str, int] | None:
         """The ports the running service was started on, by option name; None if it does
         not run, or if its pid file does not say (written by an older headrace)."""
-        if self.pid() is None:
-            return None
+        return None if self.pid() is None else self._recorded_ports()
+
+    def _recorded_ports(self) -> dict[str, int] | None:
+        """The pid file's second line, without asking whether its process runs."""
         try:
             _first, _, recorded = self.pid_file.read_text().partition("\n")
             pairs = [field.split("=", 1) for field in recorded.split()]
@@ -100,7 +102,7 @@ class ServiceProcess:
         pid = self.pid()
         if pid is None:
             return False
-        running = self.ports()
+        running = self._recorded_ports()
         if running is not None and ports:
             differing = {option: port for option, port in ports.items()
                          if option in running and running[option] != port}  # fmt: skip

@@ -99,15 +99,9 @@ class VersionMeter:
         self, pipeline: str, version: str, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._labels = (pipeline, version)
-        self.bind()
         self.clock = clock
         self.samples: deque[Sample] = deque(maxlen=_SAMPLES)
         self.failures = 0
-
-    def bind(self) -> None:
-        """Bind the version's metric children: exported from now on (again, after `retire`:
-        counting starts over, a counter reset to Prometheus)."""
-        pipeline, version = self._labels
         self._run = metrics.MODEL_RUN_SECONDS.labels(pipeline, version)
         self._ok = metrics.MODEL_ANSWERS.labels(pipeline, version, "ok")
         self._errors = metrics.MODEL_ANSWERS.labels(pipeline, version, "error")
@@ -115,8 +109,8 @@ class VersionMeter:
 
     def retire(self) -> None:
         """Stop exporting the version's series: it left the pipeline. What it records
-        until `bind` counts nowhere; its samples go (a guardrail judges a version from
-        its return)."""
+        after counts nowhere; its samples go (a guardrail judges a version that returns
+        from its return, with a meter of its own)."""
         pipeline, version = self._labels
         self.samples.clear()
         self.failures = 0

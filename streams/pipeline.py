@@ -148,11 +148,19 @@ class Pipeline:
         return tuple(dict.fromkeys([*self.config.entity_fields.values(), *model.event_sources]))
 
     def _meter(self, model: Model) -> VersionMeter:
-        """The meter of `model`'s version, bound once per version."""
+        """The meter of `model`'s version, bound once per version (again after it retired:
+        counting starts over, a counter reset to Prometheus)."""
         version = model.signature.version
         if version not in self._meters:
             self._meters[version] = VersionMeter(self.config.name, version)
         return self._meters[version]
+
+    def retire_meters(self, live: set[str]) -> None:
+        """Forget the meters of versions not in `live` and remove their series: versions
+        that left the pipeline, whose batches are done (a worker deployed many times
+        would otherwise keep and export every version it ever served)."""
+        for version in [version for version in self._meters if version not in live]:
+            self._meters.pop(version).retire()
 
     def done(self, prepared: Prepared) -> None:
         """A batch's outcomes are written: its models may retire once no batch uses them."""

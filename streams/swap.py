@@ -31,7 +31,7 @@ from models.registry import resolve_model, with_version
 from schemas.errors import HeadraceError
 from streams import metrics
 from streams.control import Desired, Report, worker_name
-from streams.guardrail import VersionMeter, breach
+from streams.guardrail import breach
 from streams.infer import Model
 from streams.pipeline import Pipeline
 from streams.serving import Serving
@@ -60,10 +60,6 @@ class _Slot:
     """Monotonic time its `Serving` was installed: a guardrail judges answers from then."""
     rolled_back: int = -1
     """The revision whose candidate this worker rolled back (decided once)."""
-    meters: dict[str, VersionMeter] = field(default_factory=dict)
-    """The meter of each version the pipeline answered with (by signature version)."""
-    retired: set[str] = field(default_factory=set)
-    """Versions whose series were removed: bound again before they answer again."""
 
 
 class ModelSwitcher:
@@ -76,9 +72,7 @@ class ModelSwitcher:
 
     def add(self, pipeline: Pipeline, fields: Sequence[str], refs: Sequence[str]) -> None:
         """A wired pipeline, serving its config's model."""
-        slot = _Slot(pipeline, fields, refs, {None: pipeline.model})
-        self._slots[pipeline.config.name] = slot
-        _remember(slot, pipeline.serving)
+        self._slots[pipeline.config.name] = _Slot(pipeline, fields, refs, {None: pipeline.model})
         _export(pipeline.config.name, pipeline.serving, pipeline.serving)
 
     @property
@@ -130,13 +124,7 @@ class ModelSwitcher:
         return (None if unchanged else new), refused
 
     def _install(self, slot: _Slot, desired: Desired, old: Serving, new: Serving) -> None:
-        for model in new.models():
-            version = model.signature.version
-            if version in slot.retired:  # it answers again: its series come back first
-                slot.meters[version].bind()
-                slot.retired.discard(version)
         slot.pipeline.use(new)
-        _remember(slot, new)
         slot.since_s = time.monotonic()
         _export(desired.pipeline, old, new)
         metrics.MODEL_CHANGES.labels(desired.pipeline, "applied").inc()
@@ -156,8 +144,6 @@ class ModelSwitcher:
         for it is closed, and it is reported refused like a version that did not load."""
         name = desired.pipeline
         slot.desired = applied  # the guardrail and the report follow what serves
-        if new is not None:
-            _remember(slot, new)  # `use` may have bound its meters before failing
         if slot.pipeline.serving is not old:
             tried = slot.pipeline.serving
             slot.pipeline.use(old)
@@ -242,11 +228,7 @@ class ModelSwitcher:
                 except Exception:  # the switch is done: one pool must not keep the others open
                     log.exception("pipeline %s: closing retired v%s failed",
                                   slot.pipeline.config.name, version)  # fmt: skip
-        live_versions = {model.signature.version for model in live}
-        for version, meter in slot.meters.items():
-            if version not in live_versions and version not in slot.retired:
-                meter.retire()
-                slot.retired.add(version)
+        slot.pipeline.retire_meters({model.signature.version for model in live})
 
     def guard(self) -> list[Desired]:
         """The rollbacks the candidates' guardrails decide now, each logged and counted
@@ -299,14 +281,6 @@ class ModelSwitcher:
         for slot in self._slots.values():
             for model in slot.versions.values():
                 model.pool.close()
-
-
-def _remember(slot: _Slot, serving: Serving) -> None:
-    """Keep the meters the pipeline bound for `serving`, to retire their series later."""
-    for model, meter in ((serving.model, serving.meter),
-                         (serving.candidate, serving.candidate_meter)):  # fmt: skip
-        if model is not None and meter is not None:
-            slot.meters[model.signature.version] = meter
 
 
 def _export(pipeline: str, before: Serving, after: Serving) -> None:
