@@ -101,6 +101,8 @@ class Health:
     def lost_group(self) -> None:
         """The group dropped this worker (its session lapsed: the broker was out of
         reach, or the process frozen); it is not ready until it rejoins."""
+        log.warning("the consumer group dropped this worker (its session lapsed): not "
+                    "ready until it rejoins")  # fmt: skip
         self._joined = False
         self._lost_group = True
 

@@ -123,12 +123,19 @@ def _serve(
         if checks is not None:
             checks.runners[spec.input_topic] = runner
 
+    ever_joined = False
+
     @app.on_partitions_revoked.connect
     async def left(_app, revoked, **_kwargs) -> None:
         health.revoked()
+        # A revoke before the first assignment is the first join's own (no member id yet).
+        if ever_joined and app.dropped_by_group():
+            health.lost_group()
 
     @app.on_partitions_assigned.connect
     async def joined(_app, assigned, **_kwargs) -> None:
+        nonlocal ever_joined
+        ever_joined = True
         health.joined(True)
         if checks is not None and assigned:
             checks.start(assigned)

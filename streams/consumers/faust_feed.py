@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NoReturn
 
 import faust
+from aiokafka.protocol.group import JoinGroupRequest
 from confluent_kafka import KafkaException
 from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
@@ -538,6 +539,16 @@ class FeedApp(faust.App):
         self.on_unfinished: Unfinished | None = None
         """With exactly-once delivery: what ends the worker when records it took are not
         committed by the time their partitions must go (given those records)."""
+
+    def dropped_by_group(self) -> bool:
+        """Whether the group has dropped this worker: a heartbeat or a commit was told
+        that its session lapsed, and aiokafka reset its member id to rejoin. (A rebalance
+        the group asks for keeps the member id.)"""
+        consumer = self.consumer._thread._consumer  # aiokafka's; None until it starts
+        coordinator = getattr(consumer, "_coordinator", None)
+        return (
+            coordinator is not None and coordinator.member_id == JoinGroupRequest.UNKNOWN_MEMBER_ID
+        )
 
     def add_feed(self, topic: faust.types.TopicT) -> None:
         """Deliver `topic`'s records to `take` instead of a stream; subscribes to it."""

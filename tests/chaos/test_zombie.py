@@ -1,6 +1,7 @@
 """A worker frozen past its session (SIGSTOP: a stalled VM, a swap storm) loses its
-partitions to the rest of the group; when it runs again, what it answers that the new
-owner answered already is marked `headrace.redelivered`, and comes second.
+partitions to the rest of the group; when it runs again, it says the group dropped it,
+and what it answers that the new owner answered already is marked
+`headrace.redelivered`, and comes second.
 
 Except what it had handed to its Kafka client just before it froze, not sent yet: the
 client sends that as soon as the process runs again, before the worker can notice the
@@ -20,6 +21,8 @@ from tests.streams.test_worker import collector_for
 from tools.deploy import group_spread, stop_worker
 
 pytestmark = pytest.mark.integration
+
+DROPPED = "the consumer group dropped this worker (its session lapsed)"
 
 
 @pytest.mark.parametrize("runtime", ["bare", "faust"])
@@ -42,6 +45,11 @@ def test_what_a_worker_frozen_past_its_session_answers_again_is_marked(
                 zombie.send_signal(signal.SIGSTOP)
                 time.sleep(frozen_s)  # the fault itself: frozen past the session timeout
                 zombie.send_signal(signal.SIGCONT)
+                # It finds out at its next heartbeat, and says it is not ready until it
+                # rejoins (a readiness probe would catch only that short window).
+                assert wait_until(
+                    lambda: DROPPED in deployment.log_file.read_text(errors="replace"), 30
+                ), deployment.log_tail()
                 now = answered(collector)
                 assert wait_until(lambda: answered(collector) > now + 300, 60)
             assert wait_until(
