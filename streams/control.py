@@ -10,11 +10,11 @@ hold a `Report` (the heartbeat). Both topics have one partition: one order of ch
 `catch_up` ended, hands each change of its pipelines' desired state to `apply` (which may
 block while a model loads: nothing on the hot path waits for it), and reports every
 `heartbeat_interval_s`. Between polls it asks `guard` for rollbacks its guardrails
-decided and writes them to the control topic like any deploy: one worker's rollback is
-enough, every worker (itself too) applies it when it reads it back. A rollback whose
-write fails is written again (with a growing pause) until Kafka confirms it or a newer
-revision of its pipeline makes it obsolete; the follower never waits for the write. Every
-Kafka call has a timeout. A desired state older than one already seen (by revision) is
+decided and writes them to the control topic as a command writes a deploy
+(`write_rollback`): one worker's rollback is enough, every worker (itself too) applies it
+when it reads it back. A rollback whose write fails is written again (with a growing
+pause) until Kafka confirms it or a newer revision of its pipeline makes it obsolete.
+Every Kafka call has a timeout. A desired state older than one already seen (by revision) is
 ignored, and a record that does not parse is logged and skipped: neither ends the follower.
 
 Revisions count within one incarnation of the control topic: an operator who deletes and
@@ -22,8 +22,9 @@ recreates it starts them again from 1. The follower checks the topic's id every 
 when it changes, it reads the new topic from its start and follows that (what it saw of
 the old one no longer holds newer revisions back).
 
-`change_desired` writes a change of a pipeline's desired state (`headrace models deploy`)
-so that two at once cannot both build on the same revision: see its docstring.
+`change_desired` writes a change of a pipeline's desired state (`headrace models deploy`,
+and a guardrail's rollback) so that two at once cannot both build on the same revision:
+see its docstring.
 """
 
 from __future__ import annotations
@@ -69,9 +70,8 @@ T = TypeVar("T")
 # not waited for long.
 ROLLBACK_RETRY_S = 0.5
 ROLLBACK_RETRY_MAX_S = 30.0
-# How long the follower's producer keeps a record before reporting it failed (librdkafka's
-# default, 5 min, would hide a rollback's failure that long; heartbeats that old are
-# useless anyway). A rollback that fails is produced again, so nothing is given up.
+# How long the follower's producer keeps a heartbeat before giving it up (librdkafka's
+# default, 5 min: heartbeats that old are useless).
 _DELIVERY_TIMEOUT_MS = 30_000
 
 
@@ -159,10 +159,8 @@ class _PendingRollback:
 
     desired: Desired
     due_s: float = 0.0
-    """When (the follower's clock) to produce it next."""
+    """When (the follower's clock) to write it next."""
     failures: int = 0
-    in_flight: bool = False
-    """Produced, its delivery report not yet served."""
 
 
 @dataclass(frozen=True)
@@ -333,6 +331,34 @@ def change_desired(
     return desired
 
 
+class Overtaken(Exception):
+    """A guardrail's rollback was not written: its pipeline is no longer at the revision
+    the rollback was built from."""
+
+    def __init__(self, latest: Desired | None) -> None:
+        super().__init__(
+            "the control topic holds no state for it (recreated?)" if latest is None
+            else f"it is at revision {latest.revision} now"
+        )  # fmt: skip
+        self.latest = latest
+
+
+def write_rollback(config: HeadraceConfig, rollback: Desired, timeout_s: float) -> None:
+    """Write a guardrail's rollback as a command writes its change (`change_desired`),
+    only while the pipeline is still at the revision it was built from; Overtaken if
+    not. A plain write could land after a command's change made in the meantime, and
+    undo it (the command said done, the workers then followed the rollback), or land
+    in a control topic recreated since (a rollback of a deploy it no longer holds)."""
+
+    def unless_overtaken() -> Desired:
+        latest = desired_states(config, timeout_s).get(rollback.pipeline)
+        if latest is None or latest.revision != rollback.revision - 1:
+            raise Overtaken(latest)
+        return rollback
+
+    change_desired(config, rollback.pipeline, unless_overtaken, timeout_s)
+
+
 def _write(config: HeadraceConfig, topic: str, key: str, value: bytes, timeout_s: float) -> None:
     broker = config.broker
     producer = Producer(client_settings(broker.bootstrap_servers, "control", timeout_s))
@@ -410,9 +436,10 @@ class ControlFollower:
         self._producer.poll(0)
 
     def _write_rollbacks(self) -> None:
-        """Produce the rollbacks the guardrails decided, and again those whose write failed
-        when their pause is over; never waits for Kafka (delivery reports come through
-        `poll`, here or in `heartbeat`)."""
+        """Write the rollbacks the guardrails decided, and again those whose write failed
+        when their pause is over. A write takes a second or two (a transaction), during
+        which this thread neither follows nor reports: rollbacks are rare, and nothing
+        else the worker does waits for this thread."""
         for desired in self._guard():
             waiting = self._rollbacks.get(desired.pipeline)
             newer = waiting is None or desired.revision > waiting.desired.revision
@@ -428,42 +455,33 @@ class ControlFollower:
                                 "longer written, revision %d was read", name,
                                 pending.desired.revision, seen.revision)  # fmt: skip
                 del self._rollbacks[name]
-            elif not pending.in_flight and now >= pending.due_s:
-                self._produce_rollback(pending)
-        self._producer.poll(0)
+            elif now >= pending.due_s:
+                self._write_rollback(pending)
 
-    def _produce_rollback(self, pending: _PendingRollback) -> None:
-        desired = pending.desired
-        key = f"{self._config.app_id}/{desired.pipeline}"
-        pending.in_flight = True
-        try:
-            self._producer.produce(
-                self._config.control.topic, desired.to_json(), key,
-                on_delivery=lambda error, _message: self._delivered(pending, error),
-            )  # fmt: skip
-        except (BufferError, KafkaException) as exc:  # a full queue: a failed attempt too
-            self._delivered(pending, exc)
-
-    def _delivered(self, pending: _PendingRollback, error: object) -> None:
-        """A rollback's delivery report (None: written). Runs in `poll`."""
-        pending.in_flight = False
+    def _write_rollback(self, pending: _PendingRollback) -> None:
         name, revision = pending.desired.pipeline, pending.desired.revision
-        if self._rollbacks.get(name) is not pending:
-            return  # obsolete meanwhile
-        if error is None:
+        timeout_s = self._config.broker.connect_timeout_s
+        try:
+            write_rollback(self._config, pending.desired, timeout_s)
+        except Overtaken as exc:
+            if exc.latest != pending.desired:  # else an attempt that seemed to fail was written
+                log.warning("pipeline %s: the guardrail's rollback to revision %d not written: "
+                            "%s", name, revision, exc)  # fmt: skip
             del self._rollbacks[name]
-            if pending.failures:
-                log.warning("pipeline %s: the guardrail's rollback to revision %d written after "
-                            "%d failed attempts", name, revision, pending.failures)  # fmt: skip
             return
-        pending.failures += 1
-        pause_s = min(ROLLBACK_RETRY_MAX_S, ROLLBACK_RETRY_S * 2 ** (pending.failures - 1))
-        pending.due_s = self._clock() + pause_s
-        if pending.failures == 1:  # once per failure: retries until written say nothing
-            reason = error.str() if isinstance(error, KafkaError) else str(error)
-            log.error("pipeline %s: the guardrail's rollback to revision %d could not be "
-                      "written (%s); the candidate serves until it is: retrying",
-                      name, revision, reason)  # fmt: skip
+        except Exception as exc:  # any failure (Kafka away, another writer): retried
+            pending.failures += 1
+            pause_s = min(ROLLBACK_RETRY_MAX_S, ROLLBACK_RETRY_S * 2 ** (pending.failures - 1))
+            pending.due_s = self._clock() + pause_s
+            if pending.failures == 1:  # once per failure: retries until written say nothing
+                log.error("pipeline %s: the guardrail's rollback to revision %d could not be "
+                          "written (%s); the candidate serves until it is: retrying",
+                          name, revision, exc)  # fmt: skip
+            return
+        del self._rollbacks[name]
+        if pending.failures:
+            log.warning("pipeline %s: the guardrail's rollback to revision %d written after "
+                        "%d failed attempts", name, revision, pending.failures)  # fmt: skip
 
     def _current(self, rollback: Desired) -> bool:
         """Whether a guardrail's rollback was built from the latest revision seen: one

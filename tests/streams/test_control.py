@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, KafkaError
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException
 
 from streams import control
 from streams.config import HeadraceConfig
@@ -105,19 +105,40 @@ class FakeConsumer:
 
 
 class FakeProducer:
-    """Writes at once; delivery reports (failed ones as `Topic.failures` says) in `poll`."""
+    """Writes at once, or at a transaction's commit; a write of the control topic fails
+    as `Topic.failures` says (a plain one in its delivery report, served by `poll`; a
+    transaction's at its commit)."""
 
-    def __init__(self, topic: Topic) -> None:
+    def __init__(self, topic: Topic, settings: dict) -> None:
         self.topic = topic
         self.reports: list[tuple] = []
+        self.transactional = "transactional.id" in settings
+        self.open: list[tuple[bytes, bytes]] = []
+
+    def init_transactions(self, _timeout=None) -> None:
+        pass
+
+    def begin_transaction(self) -> None:
+        self.open = []
+
+    def commit_transaction(self, _timeout=None) -> None:
+        self.topic.attempts += 1
+        if self.topic.failures:
+            raise KafkaException(self.topic.failures.pop(0))
+        for key, value in self.open:
+            self.topic.append(value, key)
 
     def produce(self, topic, value, key=None, on_delivery=None, **_) -> None:
         if topic != TOPIC:
             return
+        key = key.encode() if isinstance(key, str) else key
+        if self.transactional:
+            self.open.append((key, value))
+            return
         self.topic.attempts += 1
         error = self.topic.failures.pop(0) if self.topic.failures else None
         if error is None:
-            self.topic.append(value, key.encode() if isinstance(key, str) else key)
+            self.topic.append(value, key)
         if on_delivery is not None:
             self.reports.append((on_delivery, error))
 
@@ -152,7 +173,8 @@ def topic(monkeypatch) -> Topic:
     found = Topic()
     found.starts = []  # where each consumer was assigned
     monkeypatch.setattr(control, "Consumer", lambda _settings: FakeConsumer(found))
-    monkeypatch.setattr(control, "Producer", lambda _settings: FakeProducer(found))
+    monkeypatch.setattr(control, "Producer", lambda settings: FakeProducer(found, settings))
+    monkeypatch.setattr(control, "ensure_control_topics", lambda _config: [])
     monkeypatch.setattr(control, "AdminClient", lambda _settings: FakeAdmin(found))
     return found
 
@@ -288,7 +310,6 @@ def test_a_failing_rollback_is_retried_with_a_bounded_backoff_until_a_newer_revi
     while now[0] < 200:
         before = topic.attempts
         worker.follower._write_rollbacks()
-        worker.follower._producer.poll(0)  # its delivery reports, as the heartbeat does
         tried_at += [now[0]] * (topic.attempts - before)
         now[0] = round(now[0] + 0.1, 1)
     pauses = [round(b - a, 1) for a, b in itertools.pairwise(tried_at)]
@@ -301,6 +322,35 @@ def test_a_failing_rollback_is_retried_with_a_bounded_backoff_until_a_newer_revi
         worker.follower._write_rollbacks()
         now[0] += 0.1
     assert topic.attempts == tried
+
+
+def test_a_change_written_after_the_guardrail_decided_is_not_undone_by_its_rollback(topic, caplog):
+    """An operator's deploy lands before the rollback is written (the follower has not
+    read it yet): the rollback, built on the revision before it, is not written. Written
+    plainly, it would land after the deploy, and undo a change its command said was done."""
+    for desired in [*history(), guarded_canary()]:
+        topic.append(desired.to_json())
+    decided = iter([[guarded_canary().rollback("guardrail: latency")]])
+    worker = Follower(lambda: next(decided, []))
+    worker.follower.catch_up()  # at revision 5; not started: the test drives it
+    operators = guarded_canary().deploy("6", None, 0)
+    topic.append(operators.to_json())
+    with caplog.at_level(logging.WARNING, "streams.control"):
+        worker.follower._write_rollbacks()
+    assert Desired.from_json(topic.records[-1][1]) == operators
+    assert not worker.follower._rollbacks  # not retried either
+    assert any("it is at revision 6 now" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rollback_is_not_written_into_a_control_topic_recreated_since_it_was_decided(topic):
+    for desired in [*history(), guarded_canary()]:
+        topic.append(desired.to_json())
+    decided = iter([[guarded_canary().rollback("guardrail: latency")]])
+    worker = Follower(lambda: next(decided, []))
+    worker.follower.catch_up()
+    topic.recreate()  # the new topic holds no deploy: there is nothing to roll back
+    worker.follower._write_rollbacks()
+    assert topic.records == []
 
 
 def test_a_recreated_control_topic_is_followed_from_its_start(topic):
