@@ -286,7 +286,8 @@ class _AssignmentChecks:
     """Per newly assigned partition, the read-back of the inputs answered before
     (`streams/replay.py`), run on a thread; the partition's records wait for it, so that
     the runner knows what to skip before any of them is submitted (Faust may hand over
-    a fetch of the new assignment while the check runs)."""
+    a fetch of the new assignment while the check runs). Only a partition's latest check
+    counts: one of an earlier assignment that ends later is ignored."""
 
     def __init__(self, answered_before: AnsweredBefore) -> None:
         self._answered_before = answered_before
@@ -301,6 +302,11 @@ class _AssignmentChecks:
     async def _check(self, partitions: list[tuple[str, int]]) -> None:
         loop = asyncio.get_running_loop()
         found = await loop.run_in_executor(None, self._answered_before.scan, partitions)
+        # A partition assigned again meanwhile (two rebalances in a row) has a newer check:
+        # this one's findings, older, would replace its findings in the runner.
+        this = asyncio.current_task()
+        found = {where: replay for where, replay in found.items()
+                 if self.pending.get(where) is this}  # fmt: skip
         for topic, runner in self.runners.items():
             mine = {where: offsets for where, offsets in found.items() if where[0] == topic}
             if mine:
