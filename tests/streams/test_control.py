@@ -105,14 +105,12 @@ class FakeConsumer:
 
 
 class FakeProducer:
-    """Writes at once, or at a transaction's commit; a write of the control topic fails
-    as `Topic.failures` says (a plain one in its delivery report, served by `poll`; a
-    transaction's at its commit)."""
+    """The control topic's writer: transactions only (`change_desired`), each write
+    failing at its commit as `Topic.failures` says. Heartbeats (the status topic) are
+    dropped."""
 
-    def __init__(self, topic: Topic, settings: dict) -> None:
+    def __init__(self, topic: Topic, _settings: dict) -> None:
         self.topic = topic
-        self.reports: list[tuple] = []
-        self.transactional = "transactional.id" in settings
         self.open: list[tuple[bytes, bytes]] = []
 
     def init_transactions(self, _timeout=None) -> None:
@@ -128,28 +126,14 @@ class FakeProducer:
         for key, value in self.open:
             self.topic.append(value, key)
 
-    def produce(self, topic, value, key=None, on_delivery=None, **_) -> None:
-        if topic != TOPIC:
-            return
-        key = key.encode() if isinstance(key, str) else key
-        if self.transactional:
-            self.open.append((key, value))
-            return
-        self.topic.attempts += 1
-        error = self.topic.failures.pop(0) if self.topic.failures else None
-        if error is None:
-            self.topic.append(value, key)
-        if on_delivery is not None:
-            self.reports.append((on_delivery, error))
+    def produce(self, topic, value, key=None, **_) -> None:
+        if topic == TOPIC:
+            self.open.append((key.encode() if isinstance(key, str) else key, value))
 
     def poll(self, _timeout) -> int:
-        reports, self.reports = self.reports, []
-        for on_delivery, error in reports:
-            on_delivery(error, None)
-        return len(reports)
+        return 0
 
     def flush(self, _timeout=None) -> int:
-        self.poll(0)
         return 0
 
 
