@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from streams.admit import CompletionModel, RecentTimes, SizedTimes
 
@@ -49,6 +51,32 @@ def test_sized_times_bounds_follow_each_observation_and_each_expiry():
     assert times.bounds(2.5)(8) == pytest.approx(0.010)  # ... and out at 2.0
     assert times.bounds(2.6)(8) == pytest.approx(0.010)
     assert times.bounds(3.5)(8) == 0.0
+
+
+# (a batch size, or 0 to ask for bounds; its seconds; how far the clock moves first)
+_STEPS = st.lists(
+    st.tuples(st.integers(0, 40), st.floats(0.0001, 0.1), st.floats(0.0, 0.8)), max_size=60
+)
+
+
+@given(_STEPS)
+def test_bounds_kept_between_observations_are_those_computed_afresh(steps):
+    # The bounds are updated per observation, not computed again: they must not differ
+    # from those of a twin that computes them afresh every time.
+    kept = SizedTimes(window_s=2.0, quantile=0.9, per_event_share=0.3, outliers=1)
+    now_s = 0.0
+    observed: list[tuple[int, float, float]] = []
+    for size, seconds, step_s in steps:
+        now_s += step_s
+        if size:
+            kept.observe(size, seconds, now_s)
+            observed.append((size, seconds, now_s))
+            continue
+        fresh = SizedTimes(window_s=2.0, quantile=0.9, per_event_share=0.3, outliers=1)
+        for observed_size, observed_s, at_s in observed:
+            fresh.observe(observed_size, observed_s, at_s)
+        for asked in (1, 2, 3, 8, 33, 64):
+            assert kept.bounds(now_s)(asked) == fresh.bounds(now_s)(asked)
 
 
 def test_recent_times_bound_is_a_high_quantile_of_the_window():
