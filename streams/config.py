@@ -65,9 +65,11 @@ class BrokerConfig(_Frozen):
     restarts (e.g. a StatefulSet pod's name). A worker restarted within
     `session_timeout_ms` then takes its partitions back at once, with no rebalance.
     Two live workers with one name fence each other: leave it unset when unsure."""
-    commit_interval_ms: int = Field(100, ge=10, le=60_000)
+    commit_interval_ms: int = Field(100, ge=0, le=60_000)
     """How often answered offsets are committed: what a crash can make the next worker
-    read again (a rebalance or a clean stop commits first and repeats nothing)."""
+    read again (a rebalance or a clean stop commits first and repeats nothing). 0
+    commits each batch's offsets as soon as it is acknowledged: one commit at a time,
+    the batches acknowledged meanwhile in the next."""
     metadata_refresh_ms: int = Field(10_000, ge=1_000, le=300_000)
     """How often a worker's consumer reads its input topics' metadata again: partitions
     added to an input topic are served after at most this, plus a rebalance (the

@@ -833,6 +833,12 @@ def demo(
     "with --fetch-min-bytes 1 answers every fetch on its first byte (latency first).",
 )
 @click.option(
+    "--commit-interval-ms",
+    type=click.IntRange(0, 60_000),
+    help="The workers' broker.commit_interval_ms [default: 100]; 0 commits each batch's "
+    "offsets as soon as it is acknowledged.",
+)
+@click.option(
     "--no-baselines",
     is_flag=True,
     help="Only headrace's runtimes among the systems (no naive, Kafka, relay, ONNX, MLServer).",
@@ -918,6 +924,7 @@ def bench(
     max_wait_ms: float,
     fetch_min_bytes: int | None,
     fetch_max_wait_ms: int | None,
+    commit_interval_ms: int | None,
     no_baselines: bool,
     systems: tuple[str, ...],
     scenario: str,
@@ -956,6 +963,7 @@ def bench(
         max_wait_ms=max_wait_ms,
         fetch_min_bytes=fetch_min_bytes,
         fetch_max_wait_ms=fetch_max_wait_ms,
+        commit_interval_ms=commit_interval_ms,
         baselines=not no_baselines,
         systems=systems or BenchSettings.model_fields["systems"].default,
         scenario=scenario,

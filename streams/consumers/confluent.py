@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from infra.kafka_clients import client_settings
 from streams.backpressure import InFlight
@@ -66,6 +66,9 @@ LOST_WAIT_S = DEFAULT_PRODUCER_CONFIG["delivery.timeout.ms"] / 1000 + 5
 # after serving a report; both clients stay on the plain path, see `streams/publish.py`.)
 BUSY_POLL_S = 0.05
 IDLE_POLL_S = 0.2
+# With a commit on each acknowledgement (`broker.commit_interval_ms: 0`), the wait while
+# records are unacknowledged: the last batch of a burst is committed within it.
+COMMIT_POLL_S = 0.005
 
 
 class BareConsumer:
@@ -91,7 +94,9 @@ class BareConsumer:
                 # exactly-once commits each batch's offsets in its transaction instead.
                 "enable.auto.commit": transactions is None,
                 "enable.auto.offset.store": False,
+                # 0 turns librdkafka's timer off: each acknowledgement commits instead.
                 "auto.commit.interval.ms": config.broker.commit_interval_ms,
+                "on_commit": self._committed,
                 "partition.assignment.strategy": "cooperative-sticky",
                 "session.timeout.ms": config.broker.session_timeout_ms,
                 "heartbeat.interval.ms": config.broker.heartbeat_interval_ms,
@@ -110,6 +115,11 @@ class BareConsumer:
                 "fetch.max.bytes": config.broker.fetch_max_bytes,
             }
         )
+        # Commit on each acknowledgement (`broker.commit_interval_ms: 0`); poll thread's.
+        self._commit_on_ack = transactions is None and config.broker.commit_interval_ms == 0
+        self._committing = False
+        self._commit_again = False
+        self._busy_poll_s = COMMIT_POLL_S if self._commit_on_ack else BUSY_POLL_S
         self._max_chunk = max(p.max_batch_size for p in config.pipelines)
         self._runners: dict[str, PipelineRunner] = {}
         # Per input topic, owned by the poll thread: records handed over, not yet acked.
@@ -197,6 +207,9 @@ class BareConsumer:
             # The drained batches queued their offsets for the poll thread, which is gone:
             # store them here (nothing polls any more), so the close commits them.
             self._run_queued_calls()
+            if self._commit_on_ack:  # no timer's commit at the close: commit them here
+                with contextlib.suppress(KafkaException):  # nothing new stored
+                    self._consumer.commit(asynchronous=False)
             self._consumer.close()  # commits the stored offsets, leaves the group
             deadline.met()
 
@@ -217,7 +230,7 @@ class BareConsumer:
                     self._calls.get(timeout=0.05)()
                 continue
             handed_over = any(self._handed_over.values())
-            first = self._consumer.poll(BUSY_POLL_S if handed_over else IDLE_POLL_S)
+            first = self._consumer.poll(self._busy_poll_s if handed_over else IDLE_POLL_S)
             if first is None:
                 continue
             messages = self._with_what_is_here(first)
@@ -307,8 +320,29 @@ class BareConsumer:
             except KafkaException as exc:
                 # The partition was revoked meanwhile: its new owner answers these again.
                 log.warning("could not store offsets %s: %s", offsets, exc)
+                return
+            if self._commit_on_ack:
+                self._commit_stored()
 
         self._calls.put(store)
+
+    def _commit_stored(self) -> None:
+        """Poll thread: commit the stored offsets now, or once the commit in flight ends
+        (`_committed`), so that one commit carries what was acknowledged meanwhile."""
+        if self._committing:
+            self._commit_again = True
+            return
+        self._committing, self._commit_again = True, False
+        self._consumer.commit(asynchronous=True)
+
+    def _committed(self, error: KafkaError | None, _partitions: list[TopicPartition]) -> None:
+        """Poll thread, inside `poll`: a commit ended (librdkafka's own ones too)."""
+        if error is not None and error.code() != KafkaError._NO_OFFSET:
+            log.debug("commit: %s", error)
+        if self._committing:
+            self._committing = False
+            if self._commit_again:
+                self._commit_stored()
 
     def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Poll thread, inside `poll`, before any record of `partitions` is returned:

@@ -100,7 +100,10 @@ def _serve(
         topic_disable_leader=True,
         topic_allow_declare=False,
         consumer_auto_offset_reset="earliest",
-        broker_commit_interval=config.broker.commit_interval_ms / 1000,
+        commit_wait_s=config.broker.commit_interval_ms / 1000,
+        # Faust's own timers run at multiples of it (0 would make them spin); the
+        # commits themselves follow `commit_wait_s` (`BulkConsumer._commit_handler`).
+        broker_commit_interval=(config.broker.commit_interval_ms or 100) / 1000,
         broker_session_timeout=config.broker.session_timeout_ms / 1000,
         broker_heartbeat_interval=config.broker.heartbeat_interval_ms / 1000,
         consumer_group_instance_id=config.broker.instance_id,

@@ -134,6 +134,9 @@ class BenchSettings(BaseModel):
     answered on its first byte: the latency-first setting."""
     fetch_max_wait_ms: int | None = Field(None, ge=0, le=1000)
     """The workers' and the relay's `broker.fetch_max_wait_ms` (None: as above)."""
+    commit_interval_ms: int | None = Field(None, ge=0, le=60_000)
+    """The workers' `broker.commit_interval_ms` (None: the default; 0: a commit on each
+    acknowledgement)."""
     baselines: bool = True
     passes: int = Field(1, ge=1, le=4)
     """Sweeps of every system. Each pass runs them in the opposite order to the pass
@@ -685,6 +688,8 @@ class Bench:
             tracing=self._tracing() if worker else None,
         )
         config["broker"].update(self._fetch_settings())
+        if self.settings.commit_interval_ms is not None:
+            config["broker"]["commit_interval_ms"] = self.settings.commit_interval_ms
         if amend is not None:
             amend(config)
         config_file = self.state_dir / f"{name}.yaml"
