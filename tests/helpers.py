@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +43,39 @@ def produce_events(
         sent[event["event_id"]] = event
     assert producer.flush(30) == 0
     return sent
+
+
+@contextmanager
+def paced_load(
+    bootstrap: str, topic: str, world: SampleWorld, per_s: int, prefix: str, chunks_per_s: int = 10
+) -> Iterator[None]:
+    """Valid events at `per_s` from one producer that stays connected (a producer per
+    chunk would add its connection set-up to every event's age), in `chunks_per_s`
+    chunks a second (`per_s`: one event at a time), from a thread, until the block ends."""
+    stop = threading.Event()
+    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{topic}-value")
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 1})
+    events = sample_events(world, 81, prefix)
+    chunk = max(1, per_s // chunks_per_s)
+
+    def send() -> None:
+        started = time.monotonic()
+        for tick in itertools.count():
+            if stop.wait(max(0.0, started + tick / chunks_per_s - time.monotonic())):
+                return
+            for _ in range(chunk):
+                event = next(events)
+                producer.produce(topic, encoder.encode(event), event["user_id"].encode())
+            producer.poll(0)
+
+    sender = threading.Thread(target=send, name="paced-load")
+    sender.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        sender.join(30)
+        producer.flush(30)
 
 
 def produce_raw(bootstrap: str, topic: str, values: list[bytes], key: bytes = b"k") -> None:

@@ -4,7 +4,6 @@ nothing answered twice (or, with the read-back turned off, every repeat marked).
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import threading
 import time
@@ -13,16 +12,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
-from schemas.catalogue import LocalCatalogue
-from schemas.codec import AvroEncoder
 from tests.chaos.conftest import input_offsets, outcomes_per_input
-from tests.helpers import committed_offsets, produce_events, wait_until
+from tests.helpers import committed_offsets, paced_load, produce_events, wait_until
 from tests.streams.test_worker import collector_for
 from tools.audit import audit, format_report
 from tools.deploy import group_spread, stop_worker
-from tools.loadgen import sample_events
 
 pytestmark = pytest.mark.integration
 
@@ -42,35 +38,6 @@ def steady_load(kafka, deployment, world, per_s: int = 150) -> Iterator[None]:
                            prefix=f"load{seed}-")  # fmt: skip
 
     sender = threading.Thread(target=send, name="steady-load")
-    sender.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        sender.join(60)
-
-
-@contextmanager
-def smooth_load(kafka, deployment, world, per_s: int) -> Iterator[None]:
-    """Valid events at `per_s` per second, one at a time (not in bursts), from one
-    producer in a thread, until the block ends."""
-    stop = threading.Event()
-    topic = deployment.spec.input_topic
-
-    def send() -> None:
-        encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{topic}-value")
-        producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 0})
-        events = sample_events(world, 11, "smooth-")
-        started = time.monotonic()
-        for sent in itertools.count():
-            if stop.wait(max(0.0, started + sent / per_s - time.monotonic())):
-                break
-            event = next(events)
-            producer.produce(topic, encoder.encode(event), event["user_id"].encode())
-            producer.poll(0)
-        producer.flush(30)
-
-    sender = threading.Thread(target=send, name="smooth-load")
     sender.start()
     try:
         yield
@@ -269,7 +236,12 @@ def test_committing_each_acknowledgement_keeps_the_committed_offset_about_a_batc
         return len(behind) >= 40
 
     try:
-        with deployment.worker(), smooth_load(kafka, deployment, sample_assets.world, 300):
+        with (
+            deployment.worker(),
+            paced_load(
+                kafka.bootstrap_servers, topic, sample_assets.world, 300, "smooth", chunks_per_s=300
+            ),
+        ):
             assert wait_until(lambda: answered(collector) > 300, 120), deployment.log_tail()
             assert wait_until(sample, 60, interval_s=0.05)
     finally:

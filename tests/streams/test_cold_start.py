@@ -4,53 +4,19 @@ a rate it sustains later (one run had shed 103 of the first 213 events at 150/s)
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
-from confluent_kafka import Producer
 
-from schemas.catalogue import LocalCatalogue
-from schemas.codec import AvroEncoder
 from tests.chaos.test_failover import answered
-from tests.helpers import wait_until
+from tests.helpers import paced_load, wait_until
 from tests.streams.test_worker import collector_for
 from tools.deploy import group_spread
-from tools.loadgen import sample_events
 
 pytestmark = pytest.mark.integration
 
 RATE_PER_S = 150
 FIRST = 450  # the first three seconds of the load
-
-
-@contextmanager
-def paced_load(bootstrap: str, topic: str, world, per_s: int) -> Iterator[None]:
-    """Valid events at `per_s`, a tenth of a second's worth at a time, from one producer
-    that stays connected (a producer per chunk would add its connection set-up to every
-    event's age, past a 100 ms budget)."""
-    stop = threading.Event()
-    encoder = AvroEncoder(LocalCatalogue(), "transaction.avsc", f"{topic}-value")
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 1})
-    events = sample_events(world, 81, "cold")
-
-    def send() -> None:
-        while not stop.wait(0.1):
-            for _ in range(per_s // 10):
-                event = next(events)
-                producer.produce(topic, encoder.encode(event), event["user_id"].encode())
-            producer.poll(0)
-
-    sender = threading.Thread(target=send, name="paced-load")
-    sender.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        sender.join(30)
-        producer.flush(30)
 
 
 # A try whose first answers fall short runs once more, on a fresh worker and topics. A
@@ -98,7 +64,8 @@ def _first_answers(deployment, kafka, sample_assets) -> list[dict]:
             assert wait_until(lambda: group_spread(kafka.bootstrap_servers, group), 120), (
                 deployment.log_tail()
             )
-            with paced_load(kafka.bootstrap_servers, topic, sample_assets.world, RATE_PER_S):
+            world = sample_assets.world
+            with paced_load(kafka.bootstrap_servers, topic, world, RATE_PER_S, "cold"):
                 assert wait_until(lambda: answered(collector) >= 2 * FIRST, 60), (
                     deployment.log_tail()
                 )
