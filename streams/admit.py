@@ -343,9 +343,9 @@ class SizedTimes:
         times.observe(seconds, now_s)
         measured = self._measured
         if measured is not None:
-            seconds = times.bound(now_s)
-            if seconds > 0:
-                measured[bucket] = seconds
+            bound_s = times.bound(now_s)
+            if bound_s > 0:
+                measured[bucket] = bound_s
             else:
                 measured.pop(bucket, None)
             self._bounds_until_s = min(self._bounds_until_s, times.expires_s())

@@ -69,6 +69,9 @@ IDLE_POLL_S = 0.2
 # With a commit on each acknowledgement (`broker.commit_interval_ms: 0`), the wait while
 # records are unacknowledged: the last batch of a burst is committed within it.
 COMMIT_POLL_S = 0.005
+# How long a commit in flight holds the next one back; past it the next one goes anyway,
+# so that a result librdkafka never reported cannot stop the commits for good.
+COMMIT_HOLD_S = 5.0
 
 
 class BareConsumer:
@@ -117,7 +120,7 @@ class BareConsumer:
         )
         # Commit on each acknowledgement (`broker.commit_interval_ms: 0`); poll thread's.
         self._commit_on_ack = transactions is None and config.broker.commit_interval_ms == 0
-        self._committing = False
+        self._committing_since: float | None = None
         self._commit_again = False
         self._busy_poll_s = COMMIT_POLL_S if self._commit_on_ack else BUSY_POLL_S
         self._max_chunk = max(p.max_batch_size for p in config.pipelines)
@@ -329,18 +332,20 @@ class BareConsumer:
     def _commit_stored(self) -> None:
         """Poll thread: commit the stored offsets now, or once the commit in flight ends
         (`_committed`), so that one commit carries what was acknowledged meanwhile."""
-        if self._committing:
+        since = self._committing_since
+        now = time.monotonic()
+        if since is not None and now - since < COMMIT_HOLD_S:
             self._commit_again = True
             return
-        self._committing, self._commit_again = True, False
+        self._committing_since, self._commit_again = now, False
         self._consumer.commit(asynchronous=True)
 
     def _committed(self, error: KafkaError | None, _partitions: list[TopicPartition]) -> None:
         """Poll thread, inside `poll`: a commit ended (librdkafka's own ones too)."""
         if error is not None and error.code() != KafkaError._NO_OFFSET:
             log.debug("commit: %s", error)
-        if self._committing:
-            self._committing = False
+        if self._committing_since is not None:
+            self._committing_since = None
             if self._commit_again:
                 self._commit_stored()
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from confluent_kafka import KafkaError
 
+from streams.consumers import confluent
 from streams.consumers.confluent import BareConsumer
 
 
@@ -15,7 +16,7 @@ def committing_consumer(commits: list[bool]) -> BareConsumer:
     """What `_commit_stored` and the commit callback use of the consumer."""
     bare = object.__new__(BareConsumer)
     bare._consumer = SimpleNamespace(commit=lambda asynchronous: commits.append(asynchronous))
-    bare._committing = bare._commit_again = False
+    bare._committing_since, bare._commit_again = None, False
     return bare
 
 
@@ -45,3 +46,17 @@ def test_a_failed_commit_does_not_stop_the_next_one():
     bare._committed(KafkaError(KafkaError._NO_OFFSET), [])
     bare._commit_stored()
     assert commits == [True, True, True]
+
+
+def test_a_commit_never_reported_holds_the_next_back_only_for_a_while(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(confluent.time, "monotonic", lambda: now[0])
+    commits: list[bool] = []
+    bare = committing_consumer(commits)
+    bare._commit_stored()
+    now[0] += confluent.COMMIT_HOLD_S / 2
+    bare._commit_stored()
+    assert commits == [True]  # held back: the first is still in flight
+    now[0] += confluent.COMMIT_HOLD_S
+    bare._commit_stored()
+    assert commits == [True, True]  # its result never came: the next goes anyway
