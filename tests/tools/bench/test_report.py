@@ -229,3 +229,30 @@ def test_the_scaleout_report_says_when_the_machine_bounds_the_sum(tmp_path):
     assert "| 3 (bare) | [4, 4, 4] | 2,200 | 733 | 0.40, 0.40, 0.40 | 0.30 | 0.30 | 1.80 |" in text
     assert "3 workers sustain 1.10x one worker's rate" in text
     assert "The machine, not headrace, bounds the sum here" in text
+
+
+def test_a_ratio_to_a_raw_kafka_that_passed_every_rate_is_only_an_upper_bound(tmp_path):
+    # Raw Kafka passed the top rate, 25,600/s: its limit is higher, so 0.62 may be less.
+    steps = [
+        _step("kafka", 25_600.0, [2_000, 3_000], 0.0),
+        _step("headrace", 16_000.0, [9_000, 10_000], 40.0),
+        _step("bare", 8_000.0, [8_000, 9_000], 50.0),
+    ]
+    systems = {
+        "kafka": {"sustainable_per_s": 25_600.0, "first_failing_per_s": None, "capped": True},
+        "headrace": {"sustainable_per_s": 16_000.0},
+        "bare": {"sustainable_per_s": 8_000.0},
+    }
+    results = {"settings": BenchSettings().model_dump(mode="json"), "steps": steps,
+               "systems": systems, "onnx": [], "elapsed_s": 1.0}  # fmt: skip
+    text = write_reports(results, tmp_path)["markdown"].read_text()
+    assert (
+        "- Faust / raw Kafka sustainable: at most 0.62 (target >= 0.5): cannot tell: raw "
+        "Kafka passed every rate offered (raise --sweep-max to find its limit)." in text
+    )
+    assert "- bare / raw Kafka sustainable: at most 0.31 (target >= 0.5): NOT met." in text
+    # With its limit found, the ratio is a figure again.
+    systems["kafka"] = {"sustainable_per_s": 51_200.0, "first_failing_per_s": 102_400.0,
+                        "capped": False}  # fmt: skip
+    text = write_reports(results, tmp_path / "found")["markdown"].read_text()
+    assert "- Faust / raw Kafka sustainable: 0.31 (target >= 0.5): NOT met." in text

@@ -176,3 +176,11 @@ def test_the_stage_cost_runs_a_pipeline_without_kafka_and_counts_its_batches(
     # A batch of 32 costs more than one of 1, and less than 32 of them: a per-batch part.
     hot_one, hot_many = costs[0].min_us, costs[2].min_us
     assert hot_one < hot_many < 32 * hot_one
+
+
+def test_raw_kafka_is_swept_past_the_others_top_rate_to_find_its_limit():
+    settings = BenchSettings(sweep_start_per_s=100.0, sweep_max_per_s=800.0)
+    assert settings.offered_rates() == [100.0, 200.0, 400.0, 800.0]
+    assert settings.raw_kafka_rates() == [100.0, 200.0, 400.0, 800.0, 1_600.0, 3_200.0]
+    # Rates given: exactly those, for every system.
+    assert BenchSettings(rates=(50.0, 70.0)).raw_kafka_rates() == [50.0, 70.0]
