@@ -71,10 +71,10 @@ class AvroDecoder:
 
     def decode(self, raw: bytes | None) -> dict[str, Any]:
         if raw is None or len(raw) < _HEADER.size:
-            size = 0 if raw is None else len(raw)
+            got = "a tombstone (no value)" if raw is None else f"{len(raw)} bytes"
             raise DecodeError(
                 "truncated",
-                f"expected a Confluent-framed Avro record (at least 5 bytes), got {size} bytes",
+                f"expected a Confluent-framed Avro record (at least 5 bytes), got {got}",
             )
         magic, schema_id = _HEADER.unpack_from(raw)
         if magic != MAGIC_BYTE:
