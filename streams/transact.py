@@ -40,7 +40,9 @@ Those one-at-a-time passes commit a few batches per transaction (`ALONE_CHUNK_RE
 so that none outlasts the transaction timeout.
 A transaction that fails for the group's sake (a rebalance moved the generation on, or
 the consumer joined again under its instance id with a new member id) is aborted and
-written again with the consumer's current group metadata. Anything else (a broker
+written again with the consumer's current group metadata, less the answers to inputs
+of partitions the consumer gave up (`give_up`: the group took them away meanwhile, and
+their next owner answers those inputs). Anything else (a broker
 away) aborts it and it is written again after a backoff, the same batches in the same
 order (so no later batch passes an earlier one); TransactionFailed when that
 does not help for ~15 s, TransactionFenced on a fatal error (this producer fenced by a
@@ -268,10 +270,26 @@ class TransactionalPublisher(Publisher):
         self._one_at_a_time = asyncio.Lock()
         self._open = False
         self._ended_at = 0.0
+        # Input partitions whose answers no transaction holds any more (`give_up`).
+        self._given_up: set[tuple[str, int]] = set()
 
     def attach(self, group_metadata: GroupMetadata) -> None:
         """Where to read the consumer's group metadata (the consumer's poll thread)."""
         self._group_metadata = group_metadata
+
+    def give_up(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Leave the answers to inputs of `partitions`, and their offsets, out of every
+        transaction from the next attempt on: the group took those partitions away before
+        their answers were committed, and their next owner answers them (this worker,
+        should they come back). A transaction whose offsets the group took before it did
+        may still commit: those answers then count once, as committed. Such answers
+        count as written for the runner. From any thread, until `take_back`."""
+        self._given_up.update(partitions)
+
+    def take_back(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Answers of `partitions` go in transactions again: call once every input taken
+        from them before `give_up` is answered or left out, and none since."""
+        self._given_up.difference_update(partitions)
 
     async def publish(self, batch: Outgoing) -> None:
         """Commit the batch's records (each itself, or a dead letter in its place) with
@@ -313,11 +331,10 @@ class TransactionalPublisher(Publisher):
     async def _with_retries(self, batches: list[Outgoing], one_by_one: bool) -> bool:
         """Commit `batches` with their input offsets, retried with backoff. False when
         Kafka refused a record batch whole (not `one_by_one`): nothing was committed."""
-        offsets = next_offsets(record for batch in batches for record in batch.inputs)
         size = sum(len(batch) for batch in batches)
         for attempt, delay_s in enumerate((*self._retry_delays_s, None), start=1):
             try:
-                return await self._transact(batches, offsets, one_by_one)
+                return await self._transact(batches, one_by_one)
             except PublishError as exc:
                 if delay_s is None:
                     raise TransactionFailed(
@@ -327,13 +344,12 @@ class TransactionalPublisher(Publisher):
                             size, attempt, exc)  # fmt: skip
                 await asyncio.sleep(delay_s)
 
-    async def _transact(
-        self, batches: list[Outgoing], offsets: list[TopicPartition], one_by_one: bool
-    ) -> bool:
-        """One attempt: the records of `batches` and `offsets` in a transaction, written
-        again at once where that can help; True once committed. False when Kafka refused
-        a record batch whole and the records must go `one_by_one` (the topics' limits
-        are read again first). PublishError where only time can help.
+    async def _transact(self, batches: list[Outgoing], one_by_one: bool) -> bool:
+        """One attempt: the records of `batches` and their input offsets in a
+        transaction (less those given up), written again at once where that can help;
+        True once committed. False when Kafka refused a record batch whole and the
+        records must go `one_by_one` (the topics' limits are read again first).
+        PublishError where only time can help.
 
         The offsets go to the transaction while the records are on their way; the
         commit waits for their delivery reports here, since librdkafka's own wait (in
@@ -347,13 +363,13 @@ class TransactionalPublisher(Publisher):
             metadata = await self._member_metadata()
             await self._settle()
             current = self._current
-            for batch in batches:
-                # Nothing of an aborted attempt was written: every record goes again.
-                batch.delivered[:] = [False] * len(batch)
+            records, offsets = self._kept(batches)
+            if not records:
+                return True  # every answer given up: nothing to commit
             self._call(current.producer.begin_transaction)
             self._open = True
             try:
-                failures, reports = await self._send(current, batches, one_by_one)
+                failures, reports = await self._send(current, batches, records, one_by_one)
             except PublishError as exc:
                 # Even a record's smallest dead letter exceeds its topic's limit: no
                 # retry can write it; the error names the topic.
@@ -422,14 +438,32 @@ class TransactionalPublisher(Publisher):
                 first = commit_error or failures[min(failures)]
                 raise PublishError(f"the transaction was aborted: {first.str()}")
 
+    def _kept(self, batches: list[Outgoing]) -> tuple[list[Where], list[TopicPartition]]:
+        """The records of an attempt, in order, and their input offsets: all but those
+        answering inputs of partitions given up, which count as written. Nothing of an
+        aborted attempt was written: every record kept goes again."""
+        given_up = frozenset(self._given_up)  # a copy: `give_up` may run on another thread
+        records: list[Where] = []
+        for position, batch in enumerate(batches):
+            for index, source in enumerate(batch.inputs):
+                left_out = (source.topic, source.partition) in given_up
+                batch.delivered[index] = left_out
+                if not left_out:
+                    records.append((position, index))
+        if len(records) < sum(len(batch) for batch in batches):
+            log.warning("%d answers to inputs of partitions taken away before they were "
+                        "committed are left out of the transaction: their next owner "
+                        "answers those inputs", sum(map(len, batches)) - len(records))  # fmt: skip
+        offsets = next_offsets(batches[position].inputs[index] for position, index in records)
+        return records, offsets
+
     async def _send(
-        self, current: _Producer, batches: list[Outgoing], one_by_one: bool
+        self, current: _Producer, batches: list[Outgoing], records: list[Where], one_by_one: bool
     ) -> tuple[dict[Where, KafkaError], Reports]:
-        """Produce every record of `batches` in order. Returns the failures so far and
-        what waits for the other records' reports (call it once); with `one_by_one`, each record's
-        report is waited for before the next is sent, and the first failure ends it."""
-        records = [(position, index) for position, batch in enumerate(batches)
-                   for index in range(len(batch))]  # fmt: skip
+        """Produce `records` of `batches` in order. Returns the failures so far and what
+        waits for the other records' reports (call it once); with `one_by_one`, each
+        record's report is waited for before the next is sent, and the first failure
+        ends it."""
         if not one_by_one:
             return self._produce_records(current, batches, records)
         for record in records:

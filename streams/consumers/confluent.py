@@ -21,8 +21,11 @@ go into the transaction that writes its outcomes (`streams/transact.py`), sent w
 consumer's group metadata, which the poll thread reads for the publisher. A partition
 revoked before the transactions of what was handed over from it are committed ends
 the worker (exit 70): committing them later could repeat its next owner's answers.
-So does librdkafka keeping partitions the group took away (a session that lapsed
-during a rebalance: `streams/membership.py`).
+One the group took away (a session that lapsed: a broker away, this process frozen)
+is given up instead: those answers are left out of every later transaction, and its
+next owner answers them, this worker included once they are all left out. librdkafka
+keeping partitions the group took away (a session that lapsed during a rebalance:
+`streams/membership.py`) ends the worker too.
 """
 
 from __future__ import annotations
@@ -129,6 +132,9 @@ class BareConsumer:
         self._handed_over: dict[str, int] = {}
         # The same per partition: what a revoked partition must finish before it goes.
         self._unwritten: Counter[tuple[str, int]] = Counter()
+        # Exactly-once: lost partitions whose uncommitted answers the publisher leaves
+        # out (`_finish_lost`); their counts above fall to 0 as those are left out.
+        self._given_up: set[tuple[str, int]] = set()
         # Partitions revoked or lost while a poll's records were taken (poll thread's).
         self._revoked_in_poll: set[tuple[str, int]] = set()
         self._revoke_timeout_s = config.broker.session_timeout_ms / 1000
@@ -355,6 +361,7 @@ class BareConsumer:
         runners first (queued on the loop ahead of the records)."""
         self._health.joined(True)
         if self._transactions is not None:
+            self._take_back([(tp.topic, tp.partition) for tp in partitions])
             holding = bool(partitions) or bool(self._consumer.assignment())
             self._checked_metadata(lambda metadata: self._membership.assigned(metadata, holding))
         if self._answered_before is None or not partitions:
@@ -393,18 +400,47 @@ class BareConsumer:
         With exactly-once there is nothing to wait for that long: the group refuses
         offsets from a member it dropped, and this one cannot rejoin while it waits
         here, so only a transaction whose offsets the group took before that can still
-        commit. Wait half a session for it (as the Faust runtime waits on a revoke);
-        what is left ends the worker (exit 70) before it rejoins, so no retry commits
-        those partitions' offsets under a later generation while another member owns
-        them."""
+        commit. Wait half a session for it (as the Faust runtime waits on a revoke).
+        What is left is given up: the publisher leaves those answers and their offsets
+        out of every later transaction, so none commits them under a later generation
+        while another member owns them, and their next owner answers those inputs (this
+        worker, once `_take_back` let them all go: a broker away longer than the session
+        is ridden out)."""
         self._health.lost_group()
         eos = self._transactions is not None
-        self._finish(partitions, self._revoke_timeout_s / 2 if eos else LOST_WAIT_S)
+        self._finish(partitions, self._revoke_timeout_s / 2 if eos else LOST_WAIT_S, eos)
         self._membership.released()
 
-    def _finish(self, partitions: list[TopicPartition], timeout_s: float) -> None:
+    def _take_back(self, assigned: list[tuple[str, int]]) -> None:
+        """Poll thread, at an assignment under exactly-once: partitions given up when
+        the group took them away come back once every record taken from them before is
+        left out (their acks ran), so that no new record of theirs is left out with them.
+        That waits at most for a transaction attempt; one that outlasts `LOST_WAIT_S`
+        ends the worker (exit 70) rather than answer those inputs twice."""
+        back = [tp for tp in assigned if tp in self._given_up]
+        if not back:
+            return
+        deadline = time.monotonic() + LOST_WAIT_S
+        while any(self._unwritten[tp] > 0 for tp in back) and time.monotonic() < deadline:
+            self._health.turned()
+            with contextlib.suppress(queue.Empty):
+                self._calls.get(timeout=0.05)()
+        left = sum(max(0, self._unwritten[tp]) for tp in back)
+        if left:
+            self._on_fatal(UnfinishedRevoke(left, back), [])
+            return
+        self._transactions.take_back(back)
+        self._given_up.difference_update(back)
+        log.info("%s back: their answers go in transactions again", _named(back))
+        for tp in back:
+            del self._unwritten[tp]
+
+    def _finish(
+        self, partitions: list[TopicPartition], timeout_s: float, give_up: bool = False
+    ) -> None:
         """Wait up to `timeout_s` for what was handed over from `partitions` to be
-        written, running the loop's queued calls (acks) meanwhile."""
+        written, running the loop's queued calls (acks) meanwhile. Under exactly-once,
+        what is left ends the worker, or with `give_up` is left out of transactions."""
         self._health.revoked()
         revoked = [(tp.topic, tp.partition) for tp in partitions]
         self._revoked_in_poll.update(revoked)
@@ -421,6 +457,16 @@ class BareConsumer:
                 self._calls.get(timeout=0.05)()
         left = sum(max(0, self._unwritten[tp]) for tp in revoked)
         if left and self._transactions is not None and not self._closing():  # on_fatal set
+            if give_up:
+                unfinished = [tp for tp in revoked if self._unwritten[tp] > 0]
+                self._transactions.give_up(unfinished)
+                self._given_up.update(unfinished)
+                log.warning("%d records of partitions the group took away were not "
+                            "committed: their answers are left out of every transaction, "
+                            "and their next owner answers them", left)  # fmt: skip
+                for tp in set(revoked) - set(unfinished):
+                    del self._unwritten[tp]
+                return
             self._on_fatal(UnfinishedRevoke(left, revoked), [])
         if left:
             log.warning("%d records of revoked partitions not written in time: their "
@@ -531,3 +577,7 @@ def _input_record(message: Message) -> InputRecord:
         value=message.value(),
         headers=message.headers() or (),
     )
+
+
+def _named(partitions: Sequence[tuple[str, int]]) -> str:
+    return ", ".join(f"{topic}[{partition}]" for topic, partition in sorted(partitions))

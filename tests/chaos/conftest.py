@@ -27,7 +27,8 @@ from models.train import fallback_path
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroDecoder
 from tests.conftest import Deployment
-from tests.helpers import PATIENT_BUDGET_MS
+from tests.helpers import PATIENT_BUDGET_MS, wait_until
+from tests.streams.test_worker import collector_for
 from tools.collector import DeadLetter, Outcomes
 from tools.deploy import sample_config, write_config
 
@@ -206,3 +207,21 @@ def read_outcomes(
     finally:
         consumer.close()
     return outcomes
+
+
+def served_to_the_end(deployment: Deployment, inputs: set, timeout_s: float) -> Outcomes:
+    """Run a worker on what is already in the input topic until it has written an
+    outcome for each of `inputs` (it must not end meanwhile); every outcome it wrote,
+    read over the whole output and dead-letter topics."""
+    collector = collector_for(deployment)
+    try:
+        with deployment.worker() as worker:
+            wait_until(
+                lambda: len(collector.snapshot()) >= len(inputs) or worker.poll() is not None,
+                timeout_s,
+            )
+            assert worker.poll() is None, f"the worker ended:\n{deployment.log_tail()}"
+            assert len(collector.snapshot()) >= len(inputs), deployment.log_tail()
+        return collector.snapshot()
+    finally:
+        collector.stop()

@@ -10,9 +10,7 @@ from confluent_kafka import Producer
 
 from schemas.catalogue import LocalCatalogue
 from schemas.codec import AvroEncoder
-from tests.chaos.conftest import input_offsets, outcomes_per_input
-from tests.helpers import wait_until
-from tests.streams.test_worker import collector_for
+from tests.chaos.conftest import input_offsets, outcomes_per_input, served_to_the_end
 from tools.loadgen import sample_events
 
 pytestmark = pytest.mark.integration
@@ -73,17 +71,7 @@ def test_odd_records_each_get_one_outcome_and_their_partition_flows(
     inputs = input_offsets(bootstrap, spec.input_topic)
     name_at = dict(enumerate(names))
 
-    collector = collector_for(deployment)
-    try:
-        with deployment.worker() as worker:
-            wait_until(
-                lambda: len(collector.snapshot()) >= len(inputs) or worker.poll() is not None,
-                timeout_s=120,
-            )
-            assert worker.poll() is None, f"the worker ended:\n{deployment.log_tail()}"
-        outcomes = collector.snapshot()
-    finally:
-        collector.stop()
+    outcomes = served_to_the_end(deployment, inputs, timeout_s=120)
     counts = outcomes_per_input(outcomes, spec.input_topic)
     assert set(counts) == inputs, deployment.log_tail()
     assert set(counts.values()) == {1}

@@ -18,6 +18,7 @@ from tests.chaos.conftest import (
     input_offsets,
     outcomes_per_input,
     produce_in_order,
+    served_to_the_end,
 )
 from tests.helpers import produce_events, wait_until
 from tests.streams.test_worker import collector_for
@@ -79,25 +80,13 @@ def test_oversized_inputs_are_dead_lettered_and_their_partition_flows(
     inputs = input_offsets(bootstrap, spec.input_topic)
     assert len(inputs) == len(sequence) + 30
 
-    collector = collector_for(deployment)
-    try:
-        with deployment.worker() as worker:
-            wait_until(
-                lambda: len(collector.snapshot()) >= len(inputs) or worker.poll() is not None,
-                timeout_s=180,
-            )
-            assert worker.poll() is None, f"the worker ended:\n{deployment.log_tail()}"
-            assert len(collector.snapshot()) >= len(inputs), deployment.log_tail()
-        # Every outcome written is now read: one per input, over the whole topics.
-        counts = outcomes_per_input(collector.snapshot(), spec.input_topic)
-    finally:
-        collector.stop()
+    outcomes = served_to_the_end(deployment, inputs, timeout_s=180)
+    counts = outcomes_per_input(outcomes, spec.input_topic)
     assert set(counts) == inputs
     assert [where for where, count in counts.items() if count != 1] == []
 
     letters = {
-        int(letter.headers["headrace.input.offset"]): letter
-        for letter in collector.snapshot().dead_letters
+        int(letter.headers["headrace.input.offset"]): letter for letter in outcomes.dead_letters
     }
     assert set(letters) == {where[name] for name in poison}
     whole = letters[where["1000000"]]
@@ -113,7 +102,7 @@ def test_oversized_inputs_are_dead_lettered_and_their_partition_flows(
         assert letter.key == b"same-key"
     assert letters[where["1MiB"]].headers["headrace.error.cause"] == "bad_magic"
     assert letters[where["5MB"]].headers["headrace.error.cause"] == "bad_magic"
-    answers = [a for a in collector.snapshot().predictions if a["key"] == b"same-key"]
+    answers = [a for a in outcomes.predictions if a["key"] == b"same-key"]
     assert all(a["status"] == "OK" for a in answers)
     # The valid events around the poison ones, answered in their order.
     assert [a["input_offset"] for a in answers] == sorted(

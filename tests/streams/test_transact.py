@@ -195,6 +195,37 @@ def test_a_batch_and_its_input_offsets_commit_in_one_transaction(kafka, topics, 
     assert committed(consumer, topics["in"]) == {0: 7, 1: 8, 2: 9}
 
 
+def test_answers_to_inputs_of_partitions_given_up_are_left_out_until_taken_back(
+    kafka, topics, member
+):
+    """The group took partitions away before their answers were committed: those
+    answers and their offsets stay out of every transaction (they count as written),
+    and go in again once the partitions are taken back."""
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}")
+    everything = [(topics["in"], partition) for partition in range(3)]
+    try:
+        built.attach(metadata_of(consumer))
+        built.give_up([(topics["in"], 1)])
+        # Inputs on partitions 0, 1, 2, 0, 1, 2: b and e answer inputs of partition 1.
+        first = batch(topics, [b"a", b"b", b"c", b"d", b"e", b"f"])
+        publish(built, first)
+        assert first.delivered == [True] * 6
+        assert committed(consumer, topics["in"]) == {0: 4, 1: OFFSET_INVALID, 2: 6}
+        built.give_up(everything)
+        publish(built, batch(topics, [b"x", b"y", b"z"], first_offset=6))  # no transaction
+        built.take_back(everything)
+        publish(built, batch(topics, [b"g", b"h", b"i"], first_offset=9))
+    finally:
+        built.stop()
+    values = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
+    assert values == [b"a", b"c", b"d", b"f", b"g", b"h", b"i"]
+    # Left out means never written, not even in a transaction aborted since.
+    assert len(read(bootstrap, topics["out"], "read_uncommitted")) == 7
+    assert committed(consumer, topics["in"]) == {0: 10, 1: 11, 2: 12}
+
+
 class CountingProducer:
     """A real producer that counts its commits."""
 
