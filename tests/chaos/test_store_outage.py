@@ -175,6 +175,48 @@ def test_a_stopped_redis_degrades_then_recovers(deploy, kafka, tmp_path, runtime
         server.stop()
 
 
+def test_a_worker_started_while_its_redis_is_down_degrades_then_answers_in_full(
+    deploy, kafka, tmp_path
+):
+    """The store down before the worker starts: the start does not fail, events are
+    answered DEGRADED by the fallback model, and in full once the store is back."""
+    server = RedisServer(tmp_path / "redis", free_port())
+    server.start()
+    world = SampleWorld()
+    repo = tmp_path / "repo"
+    prepare_sample_store(repo, world, redis=server.connection_string)
+    server.stop()
+    deployment = deploy(repo_path=repo, runtime="bare", latency_budget_ms=BUDGET_MS)
+    spec = deployment.spec
+    collector = collector_for(deployment)
+    sent = iter(range(1_000))
+
+    def answered_in_full() -> bool:
+        seed = next(sent)
+        produce_events(kafka.bootstrap_servers, spec.input_topic, world, 5, seed=seed,
+                       prefix=f"after{seed}-")  # fmt: skip
+        return any(p["status"] == "OK" for p in answers_of(collector, "after"))
+
+    try:
+        with deployment.worker() as worker:
+            # Serving once one event is answered (sent while it starts, it may be past
+            # its budget: shed). Then every event is answered without the store.
+            produce_events(kafka.bootstrap_servers, spec.input_topic, world, 1, seed=6,
+                           prefix="first-")  # fmt: skip
+            assert wait_until(lambda: answers_of(collector, "first-"), 120), deployment.log_tail()
+            produce_events(kafka.bootstrap_servers, spec.input_topic, world, 20, seed=7,
+                           prefix="down-")  # fmt: skip
+            assert wait_until(lambda: len(answers_of(collector, "down-")) == 20, 60)
+            reasons = Counter((a["status"], a["reason"]) for a in answers_of(collector, "down-"))
+            assert reasons == {("DEGRADED", "store_unavailable"): 20}, deployment.log_tail()
+            server.start()  # empty (no persistence): answers are OK with missing features
+            assert wait_until(answered_in_full, 60, 1.0), deployment.log_tail()
+            assert worker.poll() is None
+    finally:
+        collector.stop()
+        server.stop()
+
+
 def test_without_a_fallback_model_the_answer_cache_repeats_recent_answers_up_to_max_age(
     deploy, kafka, sample_assets
 ):
