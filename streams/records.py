@@ -3,7 +3,7 @@ on its way through the stages, and an outcome record to write."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -68,3 +68,8 @@ class Item:
     redelivered: bool = False
     """Read again after a handover whose check could not see an earlier answer
     (`streams/replay.py`): its outcome carries the `headrace.redelivered` header."""
+
+
+def partition_names(partitions: Iterable[tuple[str, int]]) -> str:
+    """`topic[partition]` of each, as the worker's log lines and errors name them."""
+    return ", ".join(f"{topic}[{partition}]" for topic, partition in partitions)

@@ -46,7 +46,7 @@ from streams.errors import PublishError
 from streams.holds import LOOKUP_BACKOFF_S, Changes, PartitionHolds
 from streams.logs import about
 from streams.pipeline import Pipeline, Prepared
-from streams.records import InputRecord, Item
+from streams.records import InputRecord, Item, partition_names
 from streams.replay import Replay
 from streams.shadow import ShadowScorer
 
@@ -249,7 +249,7 @@ class PipelineRunner:
             log.warning(
                 "pipeline %s: %d records of %s wait for their schema ids: left unanswered "
                 "and unacknowledged, to be read again", self._name, len(changes.ready),
-                ", ".join(f"{topic}[{partition}]" for topic, partition in where),
+                partition_names(where),
                 extra=about(self._name),
             )  # fmt: skip
             await self.in_flight.done(len(changes.ready), self._holds.held)

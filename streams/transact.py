@@ -81,7 +81,7 @@ from streams.publish import (
     _Producer,
     produce_fitted,
 )
-from streams.records import InputRecord
+from streams.records import InputRecord, partition_names
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class UnfinishedRevoke(HeadraceError):
     committed: committing those later could repeat the answers of their next owner."""
 
     def __init__(self, left: int, partitions: Sequence[tuple[str, int]]) -> None:
-        where = ", ".join(f"{topic}[{partition}]" for topic, partition in partitions)
+        where = partition_names(partitions)
         super().__init__(
             f"{where} revoked with {left} records not yet committed: ending without "
             "committing them, so that their next owner answers them once"

@@ -51,7 +51,7 @@ from streams.health import Health
 from streams.lag import CommittedOffsets, ConfluentMarks, InputProgress
 from streams.membership import CHECK_EVERY_S, Membership, PartitionsKept
 from streams.publish import DEFAULT_PRODUCER_CONFIG
-from streams.records import InputRecord
+from streams.records import InputRecord, partition_names
 from streams.replay import AnsweredBefore
 from streams.runner import MakeRunner, PipelineRunner
 from streams.transact import TransactionalPublisher, UnfinishedRevoke
@@ -431,7 +431,7 @@ class BareConsumer:
             return
         self._transactions.take_back(back)
         self._given_up.difference_update(back)
-        log.info("%s back: their answers go in transactions again", _named(back))
+        log.info("%s back: their answers go in transactions again", partition_names(sorted(back)))
         for tp in back:
             del self._unwritten[tp]
 
@@ -577,7 +577,3 @@ def _input_record(message: Message) -> InputRecord:
         value=message.value(),
         headers=message.headers() or (),
     )
-
-
-def _named(partitions: Sequence[tuple[str, int]]) -> str:
-    return ", ".join(f"{topic}[{partition}]" for topic, partition in sorted(partitions))
