@@ -97,6 +97,13 @@ ANSWERED_BEFORE = Counter(
     "answered in the outcome topics and not answered twice (`streams/replay.py`).",
     ["pipeline"],
 )
+LEFT_OUT = Counter(
+    "headrace_answers_left_out",
+    "Answers made but never written: exactly-once left them out of its transactions, the "
+    "group having taken their input partitions away first (a lapsed session); their next "
+    "owner answers those inputs. headrace_outcomes_total counts them too.",
+    ["pipeline"],
+)
 REDELIVERED = Counter(
     "headrace_redelivered",
     "Inputs read again after a handover whose check could not see an earlier answer, "

@@ -75,6 +75,9 @@ DEFAULT_PRODUCER_CONFIG: dict[str, Any] = {
     # partition pass the refused ones (see "Order per key" above).
     "enable.gapless.guarantee": True,
 }
+# How long lost partitions wait for their answers to be written: as long as the
+# publisher waits for Kafka to take one (`delivery.timeout.ms`), and a little more.
+LOST_WAIT_S = DEFAULT_PRODUCER_CONFIG["delivery.timeout.ms"] / 1000 + 5
 # librdkafka's own `batch.size` default, kept where every topic takes more.
 MAX_BATCH_BYTES = 1_000_000
 # A topic's limit when it cannot be read: librdkafka's default `message.max.bytes`,

@@ -46,7 +46,10 @@ their next owner answers those inputs). Anything else (a broker
 away) aborts it and it is written again after a backoff, the same batches in the same
 order (so no later batch passes an earlier one); TransactionFailed when that
 does not help for ~15 s, TransactionFenced on a fatal error (this producer fenced by a
-newer one). Both end the worker (exit 70) without committing anything more. A
+newer one). Both end the worker (exit 70) without committing anything more. Not so a
+fence met by a transaction open past the transaction timeout: Kafka aborted it and
+bumped the producer's epoch itself, which librdkafka reports the same way; a new
+producer writes its batches again. A
 transactional call that does not return `STUCK_GRACE_S` after its own timeout (a known
 librdkafka fault after a broker outage) is left behind on its thread: a new producer
 takes over and the attempt counts as failed. Not so a commit: one whose outcome stays
@@ -62,7 +65,9 @@ import logging
 import queue
 import sys
 import threading
+import time
 import uuid
+from collections import Counter as Tally
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -71,6 +76,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from schemas.errors import HeadraceError
 from streams.config import BrokerConfig, HeadraceConfig
 from streams.errors import PublishError, TransactionFailed, TransactionFenced
+from streams.metrics import LEFT_OUT
 from streams.outgoing import TOO_LARGE, UNPUBLISHABLE, Outgoing, wire_bytes
 from streams.publish import (
     _REFUSED,
@@ -88,6 +94,7 @@ log = logging.getLogger(__name__)
 # Longest a transaction may stay open before Kafka aborts it; also bounds how long a
 # record may wait for delivery in one (librdkafka wants it no longer than this).
 TRANSACTION_TIMEOUT_MS = 15_000
+TRANSACTION_TIMEOUT_S = TRANSACTION_TIMEOUT_MS / 1000
 # Longest one transactional call (init, send offsets, commit, abort) may block.
 CALL_TIMEOUT_S = 10.0
 # How long past its own timeout a transactional call is waited for before its producer
@@ -131,6 +138,9 @@ _GROUP_MOVED = frozenset(
 
 # Offsets refused for a member id the instance id no longer has (`_rejoined_since`).
 _FENCED_INSTANCE = KafkaError.FENCED_INSTANCE_ID
+# This producer fenced: by a newer one with its transactional id, or by Kafka aborting
+# its transaction at the transaction timeout.
+_FENCED = KafkaError._FENCED
 
 GroupMetadata = Callable[[], Awaitable[bytes]]
 """Reads the consumer's group metadata (librdkafka's serialized form) where it is safe."""
@@ -196,6 +206,20 @@ def group_metadata(
     generation_bytes = generation.to_bytes(4, sys.byteorder, signed=True)
     return b"".join((_MAGIC, generation_bytes, group_id.encode() + b"\0",
                      member_id.encode() + b"\0", instance))  # fmt: skip
+
+
+def _count_left_out(batches: list[Outgoing], kept: list[Where]) -> None:
+    """Count and log, once their transaction committed (or had nothing to commit), the
+    answers of `batches` an attempt left out (`TransactionalPublisher.give_up`)."""
+    if len(kept) == sum(map(len, batches)):
+        return
+    kept_per_batch = Tally(position for position, _ in kept)
+    for position, batch in enumerate(batches):
+        if left_out := len(batch) - kept_per_batch[position]:
+            LEFT_OUT.labels(batch.pipeline).inc(left_out)
+    log.warning("%d answers to inputs of partitions taken away before they were committed "
+                "were left out of the transaction: their next owner answers those inputs",
+                sum(map(len, batches)) - len(kept))  # fmt: skip
 
 
 class UnfinishedRevoke(HeadraceError):
@@ -269,7 +293,11 @@ class TransactionalPublisher(Publisher):
         self._waiting: list[tuple[Outgoing, asyncio.Future[None]]] = []
         self._one_at_a_time = asyncio.Lock()
         self._open = False
+        self._begun_at = 0.0
         self._ended_at = 0.0
+        # A producer Kafka fenced by aborting its transaction at the timeout (`_check_fatal`):
+        # replaced before the next attempt.
+        self._timed_out: _Producer | None = None
         # Input partitions whose answers no transaction holds any more (`give_up`).
         self._given_up: set[tuple[str, int]] = set()
 
@@ -361,13 +389,18 @@ class TransactionalPublisher(Publisher):
             # lapsed) must not hold a transaction open meanwhile, which would hide every
             # later answer on its output partitions from read_committed readers.
             metadata = await self._member_metadata()
+            if self._timed_out is not None:
+                await self._replace(self._timed_out, read_limits=False)
+                self._timed_out = None
             await self._settle()
             current = self._current
             records, offsets = self._kept(batches)
             if not records:
+                _count_left_out(batches, records)
                 return True  # every answer given up: nothing to commit
             self._call(current.producer.begin_transaction)
             self._open = True
+            self._begun_at = time.monotonic()
             try:
                 failures, reports = await self._send(current, batches, records, one_by_one)
             except PublishError as exc:
@@ -400,6 +433,7 @@ class TransactionalPublisher(Publisher):
             if not reported:
                 failures.update(await reports())
             if not failures and commit_error is None:
+                _count_left_out(batches, records)
                 return True
             for error in failures.values():
                 self._check_fatal(error)
@@ -450,10 +484,6 @@ class TransactionalPublisher(Publisher):
                 batch.delivered[index] = left_out
                 if not left_out:
                     records.append((position, index))
-        if len(records) < sum(len(batch) for batch in batches):
-            log.warning("%d answers to inputs of partitions taken away before they were "
-                        "committed are left out of the transaction: their next owner "
-                        "answers those inputs", sum(map(len, batches)) - len(records))  # fmt: skip
         offsets = next_offsets(batches[position].inputs[index] for position, index in records)
         return records, offsets
 
@@ -639,12 +669,24 @@ class TransactionalPublisher(Publisher):
             raise
 
     def _check_fatal(self, error: KafkaError) -> None:
-        if error.fatal() or error.code() in (KafkaError._FENCED, KafkaError.FENCED_INSTANCE_ID):
-            raise TransactionFenced(
-                f"the transactional producer {self.transactional_id!r} can write no more "
-                f"({error.str()}): a newer worker with this id (or with this worker's "
-                "broker.instance_id) took over; nothing more is committed"
+        if not error.fatal() and error.code() not in (_FENCED, _FENCED_INSTANCE):
+            return
+        open_s = time.monotonic() - self._begun_at
+        if error.code() == _FENCED and self._open and open_s >= TRANSACTION_TIMEOUT_S:
+            # Kafka aborts a transaction open past its timeout (a broker away meanwhile) and
+            # bumps the producer's epoch, which librdkafka reports as a newer instance. A
+            # newer one it may also be, but then its own transactions and the group refuse
+            # this worker's next ones (it ends then): a new producer writes these again.
+            self._open, self._metadata, self._timed_out = False, None, self._current
+            raise PublishError(
+                f"the transaction was open {open_s:.0f} s, past Kafka's transaction "
+                f"timeout, and Kafka aborted it ({error.str()})"
             )
+        raise TransactionFenced(
+            f"the transactional producer {self.transactional_id!r} can write no more "
+            f"({error.str()}): a newer worker with this id (or with this worker's "
+            "broker.instance_id) took over; nothing more is committed"
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort a transaction left open (a stop while a batch failed), then as

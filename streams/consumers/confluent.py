@@ -50,7 +50,7 @@ from streams.drain import DrainDeadline
 from streams.health import Health
 from streams.lag import CommittedOffsets, ConfluentMarks, InputProgress
 from streams.membership import CHECK_EVERY_S, Membership, PartitionsKept
-from streams.publish import DEFAULT_PRODUCER_CONFIG
+from streams.publish import LOST_WAIT_S
 from streams.records import InputRecord, partition_names
 from streams.replay import AnsweredBefore
 from streams.runner import MakeRunner, PipelineRunner
@@ -58,9 +58,6 @@ from streams.transact import TransactionalPublisher, UnfinishedRevoke
 
 log = logging.getLogger(__name__)
 
-# How long lost partitions wait for their answers to be written: as long as the
-# publisher waits for Kafka to take one (`delivery.timeout.ms`), and a little more.
-LOST_WAIT_S = DEFAULT_PRODUCER_CONFIG["delivery.timeout.ms"] / 1000 + 5
 # How long a poll waits for a record (it returns as soon as one comes). Between polls
 # the poll thread stores acknowledged offsets, so it waits briefly while any record is
 # handed over and unacknowledged; with none, only a stop waits on it: an idle worker

@@ -32,6 +32,7 @@ from streams.backpressure import InFlight
 from streams.config import HeadraceConfig
 from streams.consumers.faust_feed import FeedApp
 from streams.consumers.faust_transactions import (
+    LostPartitions,
     StableOffsets,
     UnstableOffsets,
     aiokafka_group_metadata,
@@ -195,8 +196,10 @@ def _commit_in_transactions(
 ) -> None:
     """Exactly-once: offsets go in the batches' transactions, sent with aiokafka's group
     metadata; Faust seeks to stable offsets and commits nothing itself; a rebalance
-    waits for what was taken to be committed, or ends the worker."""
+    waits for what was taken to be committed, or ends the worker; partitions the group
+    took away with a lapsed session are given up (`LostPartitions`)."""
     app.stable_offsets = StableOffsets(config.app_id, config.broker)
+    app.lost = lost = LostPartitions(transactions.publisher, transactions.on_fatal)
 
     def unstable(exc: UnstableOffsets) -> NoReturn:
         transactions.on_fatal(exc, [])
@@ -215,9 +218,12 @@ def _commit_in_transactions(
     app.on_unfinished = unfinished
 
     @app.on_partitions_revoked.connect
-    async def finish_before_rebalance(_app, _revoked, **_kwargs) -> None:
+    async def finish_before_rebalance(_app, revoked, **_kwargs) -> None:
         # After Faust's wait for what the agents took (`BulkConsumer.wait_empty`): the
-        # chunks still queued for them are answered and committed too, or the worker ends.
+        # chunks still queued for them are answered and committed too, or the worker ends
+        # (but for partitions given up: `BulkConsumer.on_partitions_revoked`).
+        if set(revoked) <= lost.partitions:
+            return  # nothing of theirs can commit before this worker joins again
         with contextlib.suppress(TimeoutError):
             await app.settle(timeout_s=app.conf.broker_session_timeout / 2)
         left = app.unfinished()

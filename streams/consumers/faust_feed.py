@@ -48,6 +48,7 @@ from mode.utils.futures import maybe_async
 
 from streams.consumers import aiokafka_closed
 from streams.consumers.faust_transactions import (
+    LostPartitions,
     StableOffsets,
     UnstableOffsets,
     released,
@@ -270,6 +271,8 @@ class BulkConsumer(faust_aiokafka.Consumer):
         fetched once it ends, from the offset it leaves."""
         self._stop_stabilizing()
         self.seeks += 1
+        if self.app.lost is not None:  # their records taken before the seek left out first
+            await self.app.lost.take_back(self.assignment())
         offsets = await super().seek_to_committed()
         held = self._thread.held
         if held:
@@ -279,6 +282,13 @@ class BulkConsumer(faust_aiokafka.Consumer):
 
     async def on_partitions_revoked(self, revoked: set[TP]) -> None:
         self._stop_stabilizing()
+        lost = self.app.lost
+        if lost is not None and revoked and self.app.dropped_by_group():
+            # Exactly-once, the session lapsed: nothing taken from them can commit now.
+            lost.give_up(revoked, self._unacked_messages)
+            self._unacked_messages.difference_update(
+                [message for message in self._unacked_messages if message.tp in revoked]
+            )
         await super().on_partitions_revoked(revoked)
 
     async def on_stop(self) -> None:
@@ -549,6 +559,9 @@ class FeedApp(faust.App):
         self.on_unfinished: Unfinished | None = None
         """With exactly-once delivery: what ends the worker when records it took are not
         committed by the time their partitions must go (given those records)."""
+        self.lost: LostPartitions | None = None
+        """With exactly-once delivery: the partitions given up when the group dropped
+        this worker (a lapsed session), until they come back."""
 
     def dropped_by_group(self) -> bool:
         """Whether the group has dropped this worker: a heartbeat or a commit was told
@@ -580,6 +593,12 @@ class FeedApp(faust.App):
             messages = await feed.get()
             if messages.seeks != consumer.seeks:
                 continue  # fetched before a seek moved its partitions: fetched again
+            lost = self.lost
+            if lost is not None and lost.partitions:
+                # Fetched again by their next owner (this worker, maybe).
+                messages = Chunk(lost.dropped(messages), messages.seeks)
+                if not messages:
+                    continue
             seeks, given_up = consumer.given_up
             if given_up and seeks == messages.seeks:
                 # Behind records given up to the registry: fetched again after the seek.
@@ -603,11 +622,13 @@ class FeedApp(faust.App):
         )
 
     def unfinished(self) -> list[Message]:
-        """Records fetched and not yet acknowledged: queued for an agent, or taken."""
+        """Records fetched and not yet acknowledged: queued for an agent, or taken; none
+        of partitions given up (`lost`)."""
         seeks = self.consumer.seeks
         queued = [message for feed in self.feeds.values() for chunk in feed._queue
                   if chunk.seeks == seeks for message in chunk]  # fmt: skip
-        return queued + list(self.consumer._unacked_messages)
+        left = queued + list(self.consumer._unacked_messages)
+        return left if self.lost is None else self.lost.dropped(left)
 
     def _new_transport(self) -> BulkTransport:
         return BulkTransport(self.conf.broker_consumer, self)

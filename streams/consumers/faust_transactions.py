@@ -25,23 +25,33 @@ here means committed in a transaction; records still unacknowledged after half a
 session when the partitions must go end the worker (exit 70, as on the bare runtime):
 committing them later could repeat the answers of their next owner. The waits are
 `faust_feed.BulkConsumer.wait_empty` and `faust._commit_in_transactions`.
+
+Not so when the group dropped the worker (its session lapsed: the broker away longer
+than the session, the worker frozen): the group refuses its offsets already, so what it
+took from those partitions is given up at once, as on the bare runtime (`LostPartitions`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
+from faust.types import TP, Message
 
 from infra.kafka_clients import ask_group_offsets, client_settings
 from schemas.errors import HeadraceError
 from streams.config import BrokerConfig
-from streams.transact import group_metadata
+from streams.publish import LOST_WAIT_S
+from streams.records import partition_names
+from streams.transact import TransactionalPublisher, UnfinishedRevoke, group_metadata
+
+log = logging.getLogger(__name__)
 
 # How long an assignment may wait for the transactions of the partitions' previous owner
 # to end: Kafka aborts one left open after `transact.TRANSACTION_TIMEOUT_MS` (15 s) plus
@@ -139,6 +149,73 @@ async def released(reader: StableOffsets, partitions: Iterable[tuple[str, int]])
         if waiting and asyncio.get_running_loop().time() > deadline:
             still = [TopicPartition(topic, partition) for topic, partition in sorted(waiting)]
             raise UnstableOffsets(still, "still held")
+
+
+class LostPartitions:
+    """Partitions the group took away with a lapsed session, given up rather than the
+    worker, as on the bare runtime (`BareConsumer._finish_lost`).
+
+    A worker the group dropped cannot commit from them any more (the coordinator refuses
+    offsets of a generation gone), and aiokafka revokes them before it joins again. What
+    the agents took from them is given up at once: the publisher leaves those answers and
+    their offsets out of every later transaction, the records still queued for the agents
+    are dropped, and their next owner answers those inputs. A transaction whose offsets
+    the group took before it dropped the worker may still commit; those answers then
+    count once, as committed. The next assignment seeks every partition to its committed
+    offset; a partition given up comes back there (`take_back`) once every record taken
+    from it before is left out or committed (acknowledged), so that none of its new
+    records is left out with them."""
+
+    def __init__(
+        self,
+        publisher: TransactionalPublisher,
+        on_fatal: Callable[[BaseException, list[Any]], Any],
+    ) -> None:
+        self._publisher = publisher
+        self._on_fatal = on_fatal
+        self.partitions: set[TP] = set()
+        # Taken from them before they were given up; left out as their batches come.
+        self._leaving: list[Message] = []
+
+    def give_up(self, partitions: Iterable[TP], taken: Iterable[Message]) -> None:
+        """Give up `partitions`, from which the unacknowledged records `taken` came."""
+        partitions = set(partitions)
+        self._publisher.give_up((tp.topic, tp.partition) for tp in partitions)
+        self.partitions |= partitions
+        leaving = [message for message in taken if message.tp in partitions]
+        self._leaving += leaving
+        if leaving:
+            log.warning("%d records of partitions the group took away were not committed: "
+                        "their answers are left out of every transaction, and their next "
+                        "owner answers them", len(leaving))  # fmt: skip
+
+    def dropped(self, messages: list[Message]) -> list[Message]:
+        """`messages` less those of partitions given up (fetched before they were)."""
+        if not self.partitions:
+            return messages
+        return [message for message in messages if message.tp not in self.partitions]
+
+    async def take_back(self, assigned: Iterable[TP]) -> None:
+        """Before the seek of an assignment: partitions given up and assigned again come
+        back once every record taken from them before is acknowledged. That waits at most
+        for a transaction attempt; one that outlasts `LOST_WAIT_S` ends the worker (exit
+        70) rather than answer those inputs twice."""
+        self._leaving = [message for message in self._leaving if not message.acked]
+        back = self.partitions & set(assigned)
+        if not back:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LOST_WAIT_S
+        while left := [m for m in self._leaving if m.tp in back and not m.acked]:
+            if loop.time() > deadline:
+                where = sorted((tp.topic, tp.partition) for tp in back)
+                self._on_fatal(UnfinishedRevoke(len(left), where), [])
+                return
+            await asyncio.sleep(0.005)  # acks come as attempts leave them out
+        self._publisher.take_back((tp.topic, tp.partition) for tp in back)
+        self.partitions -= back
+        names = partition_names(sorted((tp.topic, tp.partition) for tp in back))
+        log.info("%s back: their answers go in transactions again", names)
 
 
 class UnstableOffsets(HeadraceError):

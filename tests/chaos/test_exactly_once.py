@@ -193,8 +193,7 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
     the frozen one commits when it runs again (a transaction whose offsets it sent in
     time) the new owner must not answer again, and what it can no longer commit (its
     generation moved on) it must not write: a read_committed reader sees each input
-    once. The bare runtime gives up what it can no longer commit and goes on serving;
-    the Faust runtime may end (exit 70)."""
+    once. Either runtime gives up what it can no longer commit and goes on serving."""
     deployment = chaos_deploy(runtime, delivery="exactly_once")
     bootstrap = kafka.bootstrap_servers
     topic = deployment.spec.input_topic
@@ -218,11 +217,10 @@ def test_exactly_once_a_worker_frozen_past_its_session_commits_nothing_twice(
             assert wait_until(lambda: all_answered(reader, bootstrap, topic), 60), (
                 deployment.log_tail()
             )
-            # It went on serving, or ended as it must when its partitions went before
-            # what it took from them was committed (exit 70, Faust only).
+            # It gave up what it could no longer commit and went on serving.
             ended = stop_worker(zombie)
             ended_as_it_must(deployment, ended)
-            assert runtime == "faust" or ended == 0, deployment.log_tail()
+            assert ended == 0, deployment.log_tail()
     finally:
         reader.stop()
     each_answered_once(bootstrap, deployment, f"{runtime} exactly_once, frozen {frozen_s:.0f} s")
@@ -286,11 +284,10 @@ def test_exactly_once_a_broker_crash_ends_in_answers_or_an_exit_and_each_input_o
 ):
     """The broker killed for longer than the group session under exactly-once. A worker
     that kept its partitions answers again once the broker is back. One whose partitions
-    the group took away with answers not yet committed gives those answers up on the
-    bare runtime (their inputs are answered again, once, when the partitions come back)
-    and goes on; on the Faust runtime it ends (exit 70) rather than commit them under
-    a new generation. So does a worker whose transaction outlived Kafka's transaction
-    timeout meanwhile (Kafka aborted it and fenced its producer). One that ended is
+    the group took away with answers not yet committed gives those answers up (their
+    inputs are answered again, once, when the partitions come back) and goes on. A
+    worker whose transaction outlived Kafka's transaction timeout meanwhile ends (exit
+    70): Kafka aborted it and fenced its producer. One that ended is
     started again, as a supervisor would. Neither hangs:
     before librdkafka's send_offsets_to_transaction was given up on past its timeout, a
     bare worker waited on it for good in three runs of five. Either way a read_committed

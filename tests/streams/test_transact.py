@@ -28,6 +28,7 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
+from prometheus_client import REGISTRY
 
 from infra.topics import delete_topics
 from streams import transact
@@ -123,8 +124,8 @@ def batch(topics: dict[str, str], values: list[bytes | None], first_offset: int 
     return Outgoing(records, inputs, "fraud", topics["dlq"])
 
 
-def publish(built: TransactionalPublisher, outgoing: Outgoing) -> None:
-    asyncio.run(asyncio.wait_for(built.publish(outgoing), 60))
+def publish(built: TransactionalPublisher, outgoing: Outgoing, timeout_s: float = 60) -> None:
+    asyncio.run(asyncio.wait_for(built.publish(outgoing), timeout_s))
 
 
 def publish_at_once(built: TransactionalPublisher, consumer: Consumer, batches: list) -> None:
@@ -205,6 +206,7 @@ def test_answers_to_inputs_of_partitions_given_up_are_left_out_until_taken_back(
     consumer = member(group, topics["in"])
     built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}")
     everything = [(topics["in"], partition) for partition in range(3)]
+    left_out_before = left_out()
     try:
         built.attach(metadata_of(consumer))
         built.give_up([(topics["in"], 1)])
@@ -224,6 +226,11 @@ def test_answers_to_inputs_of_partitions_given_up_are_left_out_until_taken_back(
     # Left out means never written, not even in a transaction aborted since.
     assert len(read(bootstrap, topics["out"], "read_uncommitted")) == 7
     assert committed(consumer, topics["in"]) == {0: 10, 1: 11, 2: 12}
+    assert left_out() - left_out_before == 5  # counted once each, as they were left out
+
+
+def left_out() -> float:
+    return REGISTRY.get_sample_value("headrace_answers_left_out_total", {"pipeline": "fraud"}) or 0
 
 
 class CountingProducer:
@@ -427,6 +434,58 @@ def test_a_transactional_call_stuck_past_its_timeout_hands_over_to_a_new_produce
     # The successor's initialization aborted the stuck one's transaction.
     answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
     assert answers == [b"a", b"b", b"c"]
+    assert committed(consumer, topics["in"]) == {0: 1, 1: 2, 2: 3}
+
+
+class OutlivedOnceProducer(CountingProducer):
+    """A real producer whose first commit of all those made is asked only once Kafka has
+    aborted its transaction for outliving `transaction.timeout.ms` (a broker away that
+    long): records written plainly after it on every output partition are then visible
+    to a read_committed reader."""
+
+    def __init__(self, config: dict, made: list, bootstrap: str, topic: str) -> None:
+        super().__init__(config, [])
+        made.append(self)
+        self._first = len(made) == 1
+        self._bootstrap, self._topic = bootstrap, topic
+
+    def commit_transaction(self, *args):
+        if self._first:
+            self._first = False
+            after = [b"after-0", b"after-1", b"after-2"]
+            write_plainly(self._bootstrap, self._topic, after)
+            bootstrap, topic = self._bootstrap, self._topic
+
+            def visible() -> bool:
+                return set(after) <= set(read_committed_until(bootstrap, topic, after, 1.0))
+
+            assert wait_until(visible, 60), "Kafka never aborted the transaction"
+        return self._producer.commit_transaction(*args)
+
+
+def test_a_transaction_kafka_aborted_at_its_timeout_is_written_again_by_a_new_producer(
+    kafka, topics, member, monkeypatch
+):
+    """Kafka aborts a transaction open past its timeout and bumps the producer's epoch,
+    which librdkafka reports as a newer instance: that producer can write no more. The
+    worker goes on with a new one, which writes the batch again, once."""
+    monkeypatch.setattr(transact, "TRANSACTION_TIMEOUT_MS", 2_000)
+    monkeypatch.setattr(transact, "TRANSACTION_TIMEOUT_S", 2.0)
+    # The commit is asked once Kafka's abort scan (every 10 s) found it.
+    monkeypatch.setattr(transact, "CALL_TIMEOUT_S", 60.0)
+    bootstrap, group = kafka.bootstrap_servers, f"g-{uuid.uuid4().hex[:8]}"
+    consumer = member(group, topics["in"])
+    made: list[OutlivedOnceProducer] = []
+    outlived_once = lambda config: OutlivedOnceProducer(config, made, bootstrap, topics["out"])  # noqa: E731
+    built = transactional(bootstrap, topics, f"t-{uuid.uuid4().hex}", make_producer=outlived_once)
+    try:
+        built.attach(metadata_of(consumer))
+        publish(built, batch(topics, [b"a", b"b", b"c"]), timeout_s=90)
+    finally:
+        built.stop()
+    assert len(made) == 2, "the fenced producer was replaced"
+    answers = sorted(m.value() for m in read(bootstrap, topics["out"], "read_committed"))
+    assert answers == [b"a", b"after-0", b"after-1", b"after-2", b"b", b"c"]
     assert committed(consumer, topics["in"]) == {0: 1, 1: 2, 2: 3}
 
 
