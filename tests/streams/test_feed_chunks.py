@@ -13,6 +13,7 @@ from typing import NamedTuple
 from faust.types import TP
 
 from streams.consumers.faust_feed import FEED_CHUNKS, BulkConsumer, Chunk, FeedApp
+from streams.consumers.faust_transactions import LostPartitions
 
 
 class Consumer:
@@ -25,9 +26,11 @@ class Consumer:
         self._unacked_messages.update(messages)
 
 
-def feed_app() -> SimpleNamespace:
-    """What `FeedApp.take` and `FeedApp.unfinished` use of the app: its feeds and consumer."""
-    return SimpleNamespace(feeds={"in": asyncio.Queue(maxsize=FEED_CHUNKS)}, consumer=Consumer())
+def feed_app(lost: LostPartitions | None = None) -> SimpleNamespace:
+    """What `FeedApp.take` and `FeedApp.unfinished` use of the app: its feeds and consumer,
+    and with exactly-once the partitions given up (`lost`)."""
+    queue = asyncio.Queue(maxsize=FEED_CHUNKS)
+    return SimpleNamespace(feeds={"in": queue}, consumer=Consumer(), lost=lost)
 
 
 def test_a_chunk_fetched_before_the_last_seek_is_dropped_and_the_next_taken():
@@ -85,6 +88,24 @@ def test_records_behind_records_given_up_to_the_registry_wait_for_the_next_seek(
         await app.feeds["in"].put(Chunk([held, later], seeks=2))  # fetched again from 7
         assert await asyncio.wait_for(FeedApp.take(app, "in"), 5) == [held, later]
         assert app.consumer._unacked_messages == {other, held, later}
+
+    asyncio.run(scenario())
+
+
+def test_records_of_partitions_the_group_took_away_are_neither_taken_nor_waited_for():
+    taken, queued, other = Message(TP("in", 0), 7), Message(TP("in", 0), 8), Message(TP("in", 1), 4)
+    publisher = SimpleNamespace(give_up=lambda partitions: list(partitions))
+
+    async def scenario() -> None:
+        app = feed_app(LostPartitions(publisher, on_fatal=lambda error, records: None))
+        app.consumer.track([taken])
+        app.lost.give_up({TP("in", 0)}, [taken])  # a lapsed session, under exactly-once
+        app.consumer._unacked_messages.discard(taken)
+        # Queued before the revoke, taken while it settles: fetched again after the seek.
+        await app.feeds["in"].put(Chunk([queued, other], seeks=1))
+        assert FeedApp.unfinished(app) == [other]
+        assert await asyncio.wait_for(FeedApp.take(app, "in"), 5) == [other]
+        assert app.consumer._unacked_messages == {other}
 
     asyncio.run(scenario())
 
