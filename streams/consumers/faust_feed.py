@@ -258,27 +258,40 @@ class BulkConsumer(faust_aiokafka.Consumer):
         self.seeks = 0
         """Seeks of the whole assignment so far (after each assignment, which gives every
         partition a fresh position): a chunk fetched before the last one is stale."""
+        self._seeking = asyncio.Lock()
 
     def acked(self) -> None:
         """Records were acknowledged (`Consumer.ack`): a commit is due within the interval."""
         self._acked_since_commit.set()
 
     _stabilizing: asyncio.Task | None = None
+    _stabilizing_held: frozenset[TP] = frozenset()
 
     async def seek_to_committed(self) -> Mapping[TP, int | None]:
         """Faust's seek, made after it resumed the assigned partitions and before fetching
         resumes: partitions an open transaction holds (exactly-once) are paused here and
-        fetched once it ends, from the offset it leaves."""
-        self._stop_stabilizing()
-        self.seeks += 1
-        if self.app.lost is not None:  # their records taken before the seek left out first
-            await self.app.lost.take_back(self.assignment())
-        offsets = await super().seek_to_committed()
-        held = self._thread.held
-        if held:
-            self.pause_partitions({TP(tp.topic, tp.partition) for tp in held})
-            self._stabilizing = asyncio.ensure_future(self._seek_once_stable(held))
-        return offsets
+        fetched once it ends, from the offset it leaves.
+
+        One at a time. After a rejoin Faust seeks twice at once (its recovery, and its
+        fetch loop while the flow is stopped), and each seek's partitions left out as held
+        are the seek's own: read across two seeks, a held partition was fetched from
+        aiokafka's own (unstable) position and then sought back once stable, and its
+        inputs were answered twice."""
+        async with self._seeking:
+            was_held = self._stop_stabilizing()
+            self.seeks += 1
+            if self.app.lost is not None:  # records taken before the seek left out first
+                await self.app.lost.take_back(self.assignment())
+            offsets = await super().seek_to_committed()
+            left_out = self._thread.held  # aiokafka's partitions, as its seek wants them
+            held = frozenset(TP(tp.topic, tp.partition) for tp in left_out)
+            if held:
+                self.pause_partitions(held)
+                self._stabilizing = asyncio.ensure_future(self._seek_once_stable(left_out))
+                self._stabilizing_held = held
+            if was_held - held:  # sought now: the wait that paused them is over
+                self.resume_partitions(was_held - held)
+            return offsets
 
     async def on_partitions_revoked(self, revoked: set[TP]) -> None:
         self._stop_stabilizing()
@@ -295,10 +308,13 @@ class BulkConsumer(faust_aiokafka.Consumer):
         self._stop_stabilizing()
         await super().on_stop()
 
-    def _stop_stabilizing(self) -> None:
-        if self._stabilizing is not None:
-            self._stabilizing.cancel()
-            self._stabilizing = None
+    def _stop_stabilizing(self) -> frozenset[TP]:
+        """Cancel the wait for held partitions, if any; the partitions it kept paused."""
+        if self._stabilizing is None:
+            return frozenset()
+        self._stabilizing.cancel()
+        self._stabilizing = None
+        return self._stabilizing_held
 
     async def _seek_once_stable(self, held: frozenset[Any]) -> None:
         """Wait until no transaction holds the offsets of `held` (`released`), then seek

@@ -156,3 +156,50 @@ def test_the_offsets_after_a_partitions_first_record_that_hold_no_record_are_a_g
         assert gaps == [(TP("in", 0), 1, 3)]
 
     asyncio.run(scenario())
+
+
+class Thread:
+    """What `BulkConsumer.seek_to_committed` uses of Faust's consumer thread: its seek,
+    which leaves out the partitions an open transaction holds (`held`)."""
+
+    def __init__(self, held_per_seek: list[frozenset]) -> None:
+        self._held_per_seek = held_per_seek
+        self.held: frozenset = frozenset()
+        self.seeking = 0
+        self.overlapped = False
+
+    async def seek_to_committed(self) -> dict:
+        self.seeking += 1
+        self.overlapped |= self.seeking > 1
+        held = self._held_per_seek.pop(0)
+        await asyncio.sleep(0.01)  # the stable offsets, read on a thread
+        self.held = held  # one attribute for every seek
+        self.seeking -= 1
+        return {}
+
+
+def test_seeks_made_at_once_run_one_after_the_other_each_with_its_own_held_partitions():
+    """After a rejoin Faust seeks twice at once. A partition the first seek found held and
+    the second did not must end sought and fetched, not paused for good; and neither seek
+    may take the other's held partitions for its own."""
+    p1 = TP("in", 1)
+    paused, resumed = set(), set()
+
+    async def wait_for_good(_held) -> None:
+        await asyncio.Event().wait()  # until cancelled by the next seek
+
+    async def scenario() -> None:
+        consumer = object.__new__(BulkConsumer)
+        consumer.app = SimpleNamespace(lost=None)
+        consumer._thread = Thread([frozenset({p1}), frozenset()])
+        consumer._seeking, consumer.seeks = asyncio.Lock(), 0
+        consumer.pause_partitions = paused.update
+        consumer.resume_partitions = resumed.update
+        consumer._seek_once_stable = wait_for_good
+        await asyncio.gather(consumer.seek_to_committed(), consumer.seek_to_committed())
+        assert not consumer._thread.overlapped
+        assert consumer.seeks == 2
+        assert paused == {p1} and resumed == {p1}  # held by the first, sought by the second
+        assert consumer._stabilizing is None
+
+    asyncio.run(scenario())
