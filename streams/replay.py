@@ -23,7 +23,13 @@ a partition's first uncommitted input, or `lookback_s` is 0), the inputs between
 committed offset and the end of the partition at assignment are answered again with a
 `headrace.redelivered` header: a consumer that must never see a repeat only needs to
 look up the marked answers (the first answer wins). A partition the group never
-committed is not marked: nothing was handed over.
+committed is not marked: nothing was handed over. Where it finds inputs answered past
+the committed offset, the previous owner stopped without handing the partition over:
+killed, or frozen past its session, and then it may still answer the records it held
+once it runs again, after this check read the topics. The rest of that partition's
+inputs up to its end at the assignment are marked as well, so the frozen worker's late
+answer (marked too, `streams/freeze.py`) and this worker's, in either order, leave a
+reader that keeps the first answer per input no unmarked repeat.
 """
 
 from __future__ import annotations
@@ -175,14 +181,21 @@ class AnsweredBefore:
             return {**checked, **unchecked}
         for partition, offsets in found.items():
             unseen = partition in handed_over and partition not in reached
-            window = windows[partition] if unseen else range(0)
+            # Answers past the commit: the previous owner did not hand the partition over
+            # cleanly. Dead, or frozen and still running: what it answers next lands after
+            # this read, so the rest of the window is marked too.
+            window = windows[partition] if unseen or offsets else range(0)
             checked[partition] = Replay(frozenset(offsets), window)
         repeats = sum(len(offsets) for offsets in found.values())
         if repeats:
+            marked = sum(len(windows[p]) - len(o) for p, o in found.items() if o)
             log.warning(
                 "%d inputs past the committed offsets of %s were answered before (by a "
-                "worker that stopped before committing): not answered again (checked in "
-                "%.2f s)", repeats, ", ".join(f"{t}[{p}]" for (t, p), o in found.items() if o),
+                "worker that stopped before committing): not answered again; the %d "
+                "others of those partitions up to their end are answered marked "
+                "headrace.redelivered, in case that worker still answers them (checked "
+                "in %.2f s)", repeats,
+                ", ".join(f"{t}[{p}]" for (t, p), o in found.items() if o), marked,
                 time.monotonic() - started,
             )  # fmt: skip
         return checked
