@@ -64,7 +64,8 @@ class Replay:
     answered: frozenset[int] = frozenset()
     """Offsets past the committed one already answered: acknowledged, not answered again."""
     unchecked: range = range(0)
-    """Offsets past the committed one whose earlier answers the check could not see:
+    """Offsets past the committed one the check cannot vouch for (it could not see their
+    earlier answers, or a previous owner that did not hand over may still answer them):
     answered again, marked `headrace.redelivered` (except those in `answered`)."""
 
     @property
